@@ -1,0 +1,577 @@
+"""The training config: DeepSpeed's JSON schema as frozen dataclasses.
+
+`from_deepspeed(dict | path)` reads a DeepSpeed config unchanged (old key spellings included) and
+`TrainingConfig.to_deepspeed()` writes it back. Defaults are DeepSpeed 0.19's. Keys DeepSpeed knows but
+that mean nothing on FSDP2 are accepted and listed by `ignored_keys()` with the reason. Anything else
+wrong fails at parse time with a `ConfigError` that names the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from ds_plugin._schema import AUTO, ConfigError, emit_section, option, parse_section
+
+__all__ = [
+    "AUTO",
+    "BF16Config",
+    "CommsLoggerConfig",
+    "ConfigError",
+    "DataTypesConfig",
+    "FP8Config",
+    "FP16Config",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "TrainingConfig",
+    "ZeroConfig",
+    "from_deepspeed",
+]
+
+DType = Literal["fp32", "fp16", "bf16"]
+Auto = Literal["auto"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+_FSDP_BUCKETS = "FSDP2 groups communication per wrapped block, not by byte-sized buckets"
+_DS_RUNTIME = "a DeepSpeed-engine feature with no counterpart here"
+
+
+def _no_nvme(device: str) -> None:
+    if device == "nvme":
+        raise ConfigError('device: "nvme" offload is not supported (no NVMe swapper on FSDP2); use "cpu"')
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """`fp16`: FP16 mixed precision with DeepSpeed's dynamic loss scaling."""
+
+    enabled: bool | Auto = option(False, doc="train in fp16 with fp32 master weights", auto=True)
+    auto_cast: bool = option(False, doc="cast the model's inputs to fp16 in forward")
+    loss_scale: float = option(0.0, doc="0 = dynamic loss scaling; > 0 = that static scale", ge=0)
+    initial_scale_power: int = option(16, doc="dynamic scaling starts at 2**initial_scale_power", ge=0, le=64)
+    loss_scale_window: int = option(1000, doc="clean steps before the scale doubles", ge=1)
+    hysteresis: int = option(2, doc="overflows tolerated before the scale halves", ge=1)
+    consecutive_hysteresis: bool = option(False, doc="refill the hysteresis on every clean step")
+    min_loss_scale: float = option(1.0, doc="the scale never drops below this", gt=0)
+    raise_error_at_min_scale: bool = option(True, doc="an overflow at the minimum scale is an error")
+
+    IGNORED_KEYS = {"fp16_master_weights_and_grads": "master weights are always fp32 shards here"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    """`bf16` (old name `bfloat16`): BF16 mixed precision with fp32 master weights."""
+
+    enabled: bool | Auto = option(False, doc="train in bf16 with fp32 master weights", auto=True)
+
+    IGNORED_KEYS = {
+        "immediate_grad_update": "gradients are reduced by FSDP2 hooks as they are produced",
+        "check_grad_overflow": "bf16 has fp32's range; only fp16 checks overflow",
+        "bf16_master_weights_and_grads": "master weights are always fp32 shards here",
+        "bf16_optimizer_states": "optimizer states follow the fp32 master weights",
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP8Config:
+    """`fp8` (ds_plugin's own block): FP8 training of eligible linear layers."""
+
+    enabled: bool = option(False, doc="swap eligible nn.Linear layers for FP8 linears")
+    recipe: Literal["tensorwise", "rowwise", "blockwise"] = option(
+        "tensorwise", doc="scaling granularity; blockwise = DeepSeek-V3 1x128 activations, 128x128 weights"
+    )
+    gradient_format: Literal["e4m3", "e5m2"] = option("e4m3", doc="FP8 format of output gradients")
+    all_gather: bool = option(False, doc="ZeRO-3: all-gather weights already cast to FP8")
+    skip_modules: tuple[str, ...] = option(("lm_head",), doc="module-name substrings kept in high precision")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig:
+    """`zero_optimization.offload_optimizer`."""
+
+    device: OffloadDevice = option("none", doc="where optimizer state and fp32 master weights live")
+    pin_memory: bool = option(True, doc="page-locked host memory for faster copies")
+
+    IGNORED_KEYS = {
+        "nvme_path": "NVMe offload is not supported",
+        "buffer_count": "NVMe offload is not supported",
+        "pipeline_read": "NVMe offload is not supported",
+        "pipeline_write": "NVMe offload is not supported",
+        "fast_init": "NVMe offload is not supported",
+        "ratio": "FSDP2 offloads all or nothing",
+        "super_offload": _DS_RUNTIME,
+        "cpuadam_cores_perc": "the optimizer step runs torch's own CPU kernels",
+    }
+
+    def __post_init__(self) -> None:
+        _no_nvme(self.device)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadParamConfig:
+    """`zero_optimization.offload_param` (stage 3 only)."""
+
+    device: OffloadDevice = option("none", doc="where sharded parameters live between uses")
+    pin_memory: bool = option(True, doc="page-locked host memory for faster copies")
+
+    IGNORED_KEYS = {
+        "nvme_path": "NVMe offload is not supported",
+        "buffer_count": "NVMe offload is not supported",
+        "buffer_size": "NVMe offload is not supported",
+        "max_in_cpu": "NVMe offload is not supported",
+    }
+
+    def __post_init__(self) -> None:
+        _no_nvme(self.device)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """`zero_optimization`: the ZeRO stage, ZeRO++ and offload."""
+
+    stage: int = option(0, doc="0 = data parallel, 1 = + optimizer states sharded, 2 = + gradients, 3 = + weights")
+    contiguous_gradients: bool = option(True, doc="copy gradients into one buffer", ignored=_FSDP_BUCKETS)
+    overlap_comm: bool | None = option(None, doc="overlap reduction with backward (null: DeepSpeed's default)")
+    reduce_bucket_size: int = option(500_000_000, doc="elements per reduce bucket", gt=0, ignored=_FSDP_BUCKETS)
+    allgather_bucket_size: int = option(500_000_000, doc="elements per all-gather bucket", ge=0, ignored=_FSDP_BUCKETS)
+    stage3_prefetch_bucket_size: int = option(
+        50_000_000, doc="elements prefetched ahead", ge=0, auto=True, aliases=("prefetch_bucket_size",), ignored=_FSDP_BUCKETS
+    )
+    stage3_param_persistence_threshold: int = option(
+        100_000,
+        doc="parameters smaller than this stay unpartitioned",
+        ge=0,
+        auto=True,
+        aliases=("param_persistence_threshold",),
+        ignored="FSDP2 shards every parameter; small ones ride in their block's all-gather",
+    )
+    stage3_max_live_parameters: int = option(
+        1_000_000_000, doc="cap on gathered parameters", ge=0, aliases=("max_live_parameters",), ignored=_FSDP_BUCKETS
+    )
+    stage3_max_reuse_distance: int = option(
+        1_000_000_000, doc="keep gathered if reused this soon", ge=0, aliases=("max_reuse_distance",), ignored=_FSDP_BUCKETS
+    )
+    sub_group_size: int = option(1_000_000_000, doc="optimizer step granularity", ge=0, ignored=_FSDP_BUCKETS)
+    offload_optimizer: OffloadOptimizerConfig = option(doc="optimizer offload", factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = option(doc="parameter offload", factory=OffloadParamConfig)
+    zero_hpz_partition_size: int | Auto = option(
+        1, doc="hpZ: secondary weight partition inside groups of this many ranks (auto = ranks per node)", ge=0, auto=True
+    )
+    zero_quantized_weights: bool = option(False, doc="qwZ: INT8 blockwise weight all-gather")
+    zero_quantized_nontrainable_weights: bool = option(False, doc="store frozen weights quantized")
+    zero_quantized_gradients: bool = option(False, doc="qgZ: INT4 all-to-all gradient reduction")
+    zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=16)
+    zero_quantized_gradients_block_size: int = option(4096, doc="ds_plugin: elements per qgZ scale", ge=16)
+
+    IGNORED_KEYS = {
+        "reduce_scatter": "gradients are always reduce-scattered by FSDP2",
+        "use_multi_rank_bucket_allreduce": _FSDP_BUCKETS,
+        "allgather_partitions": "FSDP2 always all-gathers shards",
+        "compute_grad_norm": "the global norm is computed when gradient_clipping > 0",
+        "load_from_fp32_weights": "checkpoints always hold the fp32 master weights",
+        "elastic_checkpoint": "checkpoints reshard to any world size anyway",
+        "stage3_model_persistence_threshold": "FSDP2 shards every parameter",
+        "model_persistence_threshold": "FSDP2 shards every parameter",
+        "stage3_gather_16bit_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
+        "gather_16bit_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
+        "stage3_gather_fp16_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
+        "stage3_module_granularity_threshold": "blocks to wrap are chosen from the model's structure",
+        "stage3_use_all_reduce_for_fetch_params": _DS_RUNTIME,
+        "stage3_allgather_sequential": _DS_RUNTIME,
+        "ignore_unused_parameters": "FSDP2 handles unused parameters",
+        "legacy_stage1": _DS_RUNTIME,
+        "round_robin_gradients": _DS_RUNTIME,
+        "parameter_alignment": _DS_RUNTIME,
+        "memory_efficient_linear": _DS_RUNTIME,
+        "pipeline_loading_checkpoint": _DS_RUNTIME,
+        "override_module_apply": _DS_RUNTIME,
+        "log_trace_cache_warnings": _DS_RUNTIME,
+        "enable_sanity_checks": _DS_RUNTIME,
+        "save_muon_momentum_buffer_in_memory": _DS_RUNTIME,
+        "leaf_module": "blocks to wrap are chosen from the model's structure",
+        "zenflow": _DS_RUNTIME,
+        "mics_shard_size": _DS_RUNTIME,
+        "mics_hierarchical_params_gather": _DS_RUNTIME,
+        "zeropp_loco_param": _DS_RUNTIME,
+    }
+
+    @staticmethod
+    def _legacy(data: dict[str, Any], path: str) -> dict[str, Any]:
+        # DeepSpeed's deprecated boolean offload switches map onto the offload blocks.
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if old in data:
+                flag = data.pop(old)
+                if not isinstance(flag, bool):
+                    raise ConfigError(f"{path}.{old}: expected true or false, got {flag!r:.40}")
+                if flag:
+                    if new in data:
+                        raise ConfigError(f"{path}.{old}: conflicts with {path}.{new}; keep only {new!r}")
+                    data[new] = {"device": "cpu"}
+        if "cpu_offload_use_pin_memory" in data:
+            pin = data.pop("cpu_offload_use_pin_memory")
+            if not isinstance(pin, bool):
+                raise ConfigError(f"{path}.cpu_offload_use_pin_memory: expected true or false, got {pin!r:.40}")
+            for block in ("offload_optimizer", "offload_param"):
+                if isinstance(data.get(block), Mapping):
+                    data[block] = {**data[block], "pin_memory": pin}
+        return data
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"stage: {self.stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+        needs_stage3 = {
+            "zero_quantized_weights": self.zero_quantized_weights,
+            "zero_quantized_gradients": self.zero_quantized_gradients,
+            "zero_hpz_partition_size": self.zero_hpz_partition_size not in (0, 1),
+            "offload_param": self.offload_param.device != "none",
+        }
+        for key, on in needs_stage3.items():
+            if on and self.stage != 3:
+                raise ConfigError(f"{key}: needs stage 3 (it acts on sharded weights); set stage to 3 or turn it off")
+
+    @property
+    def hpz_partition_size(self) -> int:
+        """The hpZ group size as an int (1 = off); "auto" must be resolved first."""
+        if self.zero_hpz_partition_size == AUTO:
+            raise ConfigError('zero_optimization.zero_hpz_partition_size: "auto" is not resolved; call resolve()')
+        return max(1, int(self.zero_hpz_partition_size))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommsLoggerConfig:
+    """`comms_logger`: bytes and calls per collective, per process group, per step."""
+
+    enabled: bool = option(False, doc="record every collective")
+    verbose: bool = option(False, doc="log each collective as it happens")
+    prof_all: bool = option(True, doc="record all collective types")
+    prof_ops: tuple[str, ...] = option((), doc="with prof_all false: only these collectives")
+    debug: bool = option(False, doc="record the calling module too")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataTypesConfig:
+    """`data_types`."""
+
+    grad_accum_dtype: DType | None = option(None, doc="gradient accumulation dtype (null: the compute dtype)")
+
+    IGNORED_KEYS = {
+        "param_dtype": "the compute dtype comes from fp16/bf16",
+        "buffer_dtype": "buffers keep the model's dtype",
+        "keep_in_fp32_modules": "norms and embeddings are left to the model's own dtype rules",
+    }
+
+
+_TOP_IGNORED = {
+    "optimizer": "build the optimizer in your code (torch.optim or configure_optimizers); ZeRO shards whatever you pass",
+    "scheduler": "build the LR scheduler in your code; it works unchanged on the sharded optimizer",
+    "steps_per_print": "progress is reported by the framework's logger",
+    "wall_clock_breakdown": _DS_RUNTIME,
+    "memory_breakdown": "use `ds-plugin bench zero-memory`",
+    "dump_state": _DS_RUNTIME,
+    "prescale_gradients": "gradients are averaged once, by the reduce-scatter",
+    "gradient_predivide_factor": "gradients are averaged once, by the reduce-scatter",
+    "gradient_allreduce_op": "gradients are always averaged",
+    "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed",
+    "zero_force_ds_cpu_optimizer": "the optimizer step runs torch's own kernels",
+    "disable_allgather": _DS_RUNTIME,
+    "sparse_gradients": _DS_RUNTIME,
+    "amp": "use fp16 or bf16 instead of apex AMP",
+    "torch_autocast": "use fp16 or bf16; precision plugins set autocast",
+    "activation_checkpointing": "use your framework's activation checkpointing",
+    "flops_profiler": _DS_RUNTIME,
+    "tensorboard": "logging belongs to the framework",
+    "wandb": "logging belongs to the framework",
+    "csv_monitor": "logging belongs to the framework",
+    "comet": "logging belongs to the framework",
+    "monitor_config": "logging belongs to the framework",
+    "hybrid_engine": "generation runs the model as is (DeepSpeed-Chat inference engine not needed)",
+    "aio": "NVMe offload is not supported",
+    "checkpoint": "checkpoints are torch.distributed.checkpoint directories",
+    "elasticity": _DS_RUNTIME,
+    "pipeline": "pipeline parallelism is not part of ds_plugin",
+    "progressive_layer_drop": _DS_RUNTIME,
+    "curriculum_learning": _DS_RUNTIME,
+    "data_efficiency": _DS_RUNTIME,
+    "compression_training": _DS_RUNTIME,
+    "eigenvalue": _DS_RUNTIME,
+    "quantize_training": _DS_RUNTIME,
+    "autotuning": _DS_RUNTIME,
+    "nebula": _DS_RUNTIME,
+    "compile": "call torch.compile on the model yourself",
+    "weight_quantization": "use zero_quantized_nontrainable_weights",
+    "tensor_parallel": "tensor parallelism is not part of ds_plugin",
+    "sequence_parallel_size": "sequence parallelism is not part of ds_plugin",
+    "seq_parallel_communication_data_type": "sequence parallelism is not part of ds_plugin",
+    "timers": _DS_RUNTIME,
+    "dataloader_drop_last": "data loading belongs to the framework",
+    "disable_python_gc": _DS_RUNTIME,
+    "use_data_before_expert_parallelism": "expert parallelism is not part of ds_plugin",
+    "log_level": "use Python logging",
+    "memory_efficient_linear": _DS_RUNTIME,
+    "zero_optimization_stage": _DS_RUNTIME,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """A whole DeepSpeed-style training config. Build it with `from_deepspeed` or a preset name."""
+
+    train_batch_size: int | Auto | None = option(None, doc="global batch = micro x accumulation x world", ge=1, auto=True)
+    train_micro_batch_size_per_gpu: int | Auto | None = option(None, doc="batch per rank per step", ge=1, auto=True)
+    gradient_accumulation_steps: int | Auto | None = option(None, doc="micro-steps per optimizer step", ge=1, auto=True)
+    gradient_clipping: float | Auto = option(
+        1.0, doc="clip the global gradient norm to this (0 = off; DeepSpeed 0.19's default is 1.0)", ge=0, auto=True
+    )
+    fp16: FP16Config = option(doc="fp16 mixed precision", factory=FP16Config)
+    bf16: BF16Config = option(doc="bf16 mixed precision", aliases=("bfloat16",), factory=BF16Config)
+    fp8: FP8Config = option(doc="fp8 training", factory=FP8Config)
+    zero_optimization: ZeroConfig = option(doc="ZeRO", factory=ZeroConfig)
+    communication_data_type: DType | None = option(None, doc="gradient reduction dtype (null: the compute dtype)")
+    data_types: DataTypesConfig = option(doc="accumulation dtypes", factory=DataTypesConfig)
+    comms_logger: CommsLoggerConfig = option(doc="collective logging", factory=CommsLoggerConfig)
+    ignored: Mapping[str, tuple[Any, str]] = dataclasses.field(
+        default_factory=dict, compare=False, metadata={"internal": True, "doc": "keys accepted without effect"}
+    )
+
+    IGNORED_KEYS = _TOP_IGNORED
+
+    @staticmethod
+    def _legacy(data: dict[str, Any], path: str) -> dict[str, Any]:
+        # Old DeepSpeed accepted `"zero_optimization": true` (stage 1) or a bare stage number.
+        zero = data.get("zero_optimization")
+        if isinstance(zero, bool):
+            data["zero_optimization"] = {"stage": 1 if zero else 0}
+        elif isinstance(zero, int):
+            data["zero_optimization"] = {"stage": zero}
+        return data
+
+    def __post_init__(self) -> None:
+        if self.fp16.enabled is True and self.bf16.enabled is True:
+            raise ConfigError("fp16.enabled: fp16 and bf16 are both enabled; enable only one")
+        _check_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, None)
+
+    # ------------------------------------------------------------------ reading the config
+
+    @property
+    def stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def compute_dtype(self) -> DType:
+        """"fp16", "bf16" or "fp32": the dtype forward/backward run in."""
+        if self.fp16.enabled is True:
+            return "fp16"
+        if self.bf16.enabled is True:
+            return "bf16"
+        if AUTO in (self.fp16.enabled, self.bf16.enabled):
+            raise ConfigError('fp16.enabled: "auto" is not resolved; call resolve(precision=...)')
+        return "fp32"
+
+    @property
+    def reduce_dtype(self) -> DType:
+        """Gradient communication dtype: `communication_data_type`, else the compute dtype (as DeepSpeed)."""
+        return self.communication_data_type or self.compute_dtype
+
+    @property
+    def grad_accum_dtype(self) -> DType:
+        """Gradient accumulation dtype: `data_types.grad_accum_dtype`, else the compute dtype (as DeepSpeed)."""
+        return self.data_types.grad_accum_dtype or self.compute_dtype
+
+    def ignored_keys(self) -> dict[str, str]:
+        """Dotted key -> why it has no effect here, for every key the user set that is ignored."""
+        return {k: reason for k, (_, reason) in self.ignored.items()}
+
+    def unresolved(self) -> list[str]:
+        """Dotted keys still set to "auto"."""
+        out = []
+        for key, value in _walk(self.to_deepspeed(include_ignored=False)):
+            if value == AUTO:
+                out.append(key)
+        return out
+
+    # ------------------------------------------------------------------ changing it
+
+    def replace(self, **sections: Any) -> TrainingConfig:
+        """A copy with fields replaced; nested sections may be given as dicts of overrides."""
+        changes = {}
+        for name, value in sections.items():
+            current = getattr(self, name)
+            if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+                merged = {**emit_section(current), **value}
+                value = parse_section(type(current), merged, name)
+            changes[name] = value
+        return dataclasses.replace(self, **changes)
+
+    def resolve(
+        self,
+        *,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
+        micro_batch_size: int | None = None,
+        gradient_accumulation_steps: int | None = None,
+        gradient_clipping: float | None = None,
+        precision: DType | None = None,
+    ) -> TrainingConfig:
+        """Fill "auto" values from the framework and check what needs the world size.
+
+        Args:
+            world_size: number of data-parallel ranks; checks batch sizes and the hpZ group size.
+            ranks_per_node: ranks on one node; resolves an "auto" hpZ partition size.
+            micro_batch_size / gradient_accumulation_steps / gradient_clipping: the framework's values,
+                used where the config says "auto" (as the transformers integration does).
+            precision: "fp32", "fp16" or "bf16", used where fp16/bf16.enabled is "auto".
+        """
+        cfg = self
+        mb = _pick(cfg.train_micro_batch_size_per_gpu, micro_batch_size)
+        ga = _pick(cfg.gradient_accumulation_steps, gradient_accumulation_steps)
+        tb = cfg.train_batch_size
+        if tb == AUTO:
+            tb = None
+        clip = cfg.gradient_clipping
+        if clip == AUTO:
+            clip = 1.0 if gradient_clipping is None else float(gradient_clipping)
+        tb, mb, ga = _check_batch(tb, mb, ga, world_size)
+        fp16 = cfg.fp16
+        bf16 = cfg.bf16
+        if AUTO in (fp16.enabled, bf16.enabled):
+            fp16 = dataclasses.replace(fp16, enabled=(precision == "fp16") if fp16.enabled == AUTO else fp16.enabled)
+            bf16 = dataclasses.replace(bf16, enabled=(precision == "bf16") if bf16.enabled == AUTO else bf16.enabled)
+            if fp16.enabled is True and bf16.enabled is True:
+                raise ConfigError("fp16.enabled: fp16 and bf16 are both enabled; enable only one")
+        zero = cfg.zero_optimization
+        hpz = zero.zero_hpz_partition_size
+        if hpz == AUTO and (ranks_per_node or world_size):
+            hpz = ranks_per_node or world_size
+        if world_size is not None and hpz != AUTO and int(hpz) > 1:
+            if world_size % int(hpz) or int(hpz) > world_size:
+                raise ConfigError(
+                    f"zero_optimization.zero_hpz_partition_size: {hpz} does not divide the world size {world_size}; "
+                    "use a divisor of the world size (usually the ranks per node)"
+                )
+        zero = dataclasses.replace(zero, zero_hpz_partition_size=hpz)
+        return dataclasses.replace(
+            cfg,
+            train_batch_size=tb,
+            train_micro_batch_size_per_gpu=mb,
+            gradient_accumulation_steps=ga,
+            gradient_clipping=clip,
+            fp16=fp16,
+            bf16=bf16,
+            zero_optimization=zero,
+        )
+
+    # ------------------------------------------------------------------ I/O
+
+    def to_deepspeed(self, include_ignored: bool = True) -> dict[str, Any]:
+        """The config as a DeepSpeed JSON dict, with canonical key names.
+
+        Args:
+            include_ignored: also write back the keys that were accepted but ignored, so nothing the user
+                wrote is lost on a round trip.
+        """
+        out = emit_section(self)
+        if include_ignored:
+            for dotted, (value, _) in self.ignored.items():
+                *parents, leaf = dotted.split(".")
+                node = out
+                for p in parents:
+                    node = node.setdefault(p, {})
+                node[leaf] = value
+        return out
+
+
+def _pick(config_value: Any, framework_value: int | None) -> Any:
+    if config_value == AUTO:
+        return framework_value
+    return config_value
+
+
+def _walk(d: Mapping[str, Any], prefix: str = ""):
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, Mapping):
+            yield from _walk(v, key)
+        else:
+            yield key, v
+
+
+def _check_batch(tb: Any, mb: Any, ga: Any, world: int | None) -> tuple[Any, Any, Any]:
+    """DeepSpeed's rule: train_batch_size = micro x accumulation x world; any two (with the world) give the third."""
+    if AUTO in (tb, mb, ga):
+        return tb, mb, ga
+    if world is None:
+        if tb is not None and mb is not None and tb % (mb * (ga or 1)):
+            raise ConfigError(
+                f"train_batch_size: {tb} is not a multiple of train_micro_batch_size_per_gpu x "
+                f"gradient_accumulation_steps = {mb * (ga or 1)}"
+            )
+        return tb, mb, ga
+    if world < 1:
+        raise ConfigError(f"world size {world} must be at least 1")
+    if tb is not None and mb is not None and ga is not None:
+        if tb != mb * ga * world:
+            raise ConfigError(
+                f"train_batch_size: {tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {ga} "
+                f"x world size {world} = {mb * ga * world}; fix one of the three or drop train_batch_size"
+            )
+    elif tb is not None and mb is not None:
+        if tb % (mb * world):
+            raise ConfigError(
+                f"train_batch_size: {tb} is not divisible by train_micro_batch_size_per_gpu {mb} x world size {world}"
+            )
+        ga = tb // (mb * world)
+    elif tb is not None and ga is not None:
+        if tb % (ga * world):
+            raise ConfigError(
+                f"train_batch_size: {tb} is not divisible by gradient_accumulation_steps {ga} x world size {world}"
+            )
+        mb = tb // (ga * world)
+    elif tb is not None:
+        ga = 1
+        if tb % world:
+            raise ConfigError(f"train_batch_size: {tb} is not divisible by the world size {world}")
+        mb = tb // world
+    elif mb is not None:
+        ga = ga or 1
+        tb = mb * ga * world
+    return tb, mb, ga
+
+
+def _load_file(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc.strerror or exc})") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+
+
+def from_deepspeed(config: Mapping[str, Any] | str | os.PathLike | TrainingConfig) -> TrainingConfig:
+    """Parse a DeepSpeed config: a dict, or the path to a .json / .yaml file.
+
+    Args:
+        config: the DeepSpeed config. A `TrainingConfig` is returned as is.
+
+    Raises:
+        ConfigError: with the dotted key and the fix, for anything invalid.
+    """
+    if isinstance(config, TrainingConfig):
+        return config
+    if isinstance(config, str | os.PathLike):
+        config = _load_file(Path(config))
+    ignored: dict[str, tuple[Any, str]] = {}
+    cfg = parse_section(TrainingConfig, config, "", ignored)
+    return dataclasses.replace(cfg, ignored=ignored)
