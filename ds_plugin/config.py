@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
+
+from ds_plugin._ignored_keys import DS_RUNTIME_ONLY, FSDP_BUCKETS, TOP_LEVEL_IGNORED, ZERO_IGNORED
 from ds_plugin._schema import AUTO, ConfigError, emit_section, option, parse_section
 
 __all__ = [
@@ -35,9 +39,6 @@ __all__ = [
 DType = Literal["fp32", "fp16", "bf16"]
 Auto = Literal["auto"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
-
-_FSDP_BUCKETS = "FSDP2 groups communication per wrapped block, not by byte-sized buckets"
-_DS_RUNTIME = "a DeepSpeed-engine feature with no counterpart here"
 
 
 def _no_nvme(device: str) -> None:
@@ -103,7 +104,7 @@ class OffloadOptimizerConfig:
         "pipeline_write": "NVMe offload is not supported",
         "fast_init": "NVMe offload is not supported",
         "ratio": "FSDP2 offloads all or nothing",
-        "super_offload": _DS_RUNTIME,
+        "super_offload": DS_RUNTIME_ONLY,
         "cpuadam_cores_perc": "the optimizer step runs torch's own CPU kernels",
     }
 
@@ -134,14 +135,21 @@ class ZeroConfig:
     """`zero_optimization`: the ZeRO stage, ZeRO++ and offload."""
 
     stage: int = option(0, doc="0 = data parallel, 1 = + optimizer states sharded, 2 = + gradients, 3 = + weights")
-    contiguous_gradients: bool = option(True, doc="copy gradients into one buffer", ignored=_FSDP_BUCKETS)
+    contiguous_gradients: bool = option(True, doc="copy gradients into one buffer", ignored=FSDP_BUCKETS)
     overlap_comm: bool | None = option(None, doc="overlap reduction with backward (null: DeepSpeed's default)")
-    reduce_bucket_size: int = option(500_000_000, doc="elements per reduce bucket", gt=0, ignored=_FSDP_BUCKETS)
-    allgather_bucket_size: int = option(500_000_000, doc="elements per all-gather bucket", ge=0, ignored=_FSDP_BUCKETS)
-    stage3_prefetch_bucket_size: int = option(
-        50_000_000, doc="elements prefetched ahead", ge=0, auto=True, aliases=("prefetch_bucket_size",), ignored=_FSDP_BUCKETS
+    reduce_bucket_size: int | Auto = option(
+        500_000_000, doc="elements per reduce bucket", gt=0, auto=True, ignored=FSDP_BUCKETS
     )
-    stage3_param_persistence_threshold: int = option(
+    allgather_bucket_size: int = option(500_000_000, doc="elements per all-gather bucket", ge=0, ignored=FSDP_BUCKETS)
+    stage3_prefetch_bucket_size: int | Auto = option(
+        50_000_000,
+        doc="elements prefetched ahead",
+        ge=0,
+        auto=True,
+        aliases=("prefetch_bucket_size",),
+        ignored=FSDP_BUCKETS,
+    )
+    stage3_param_persistence_threshold: int | Auto = option(
         100_000,
         doc="parameters smaller than this stay unpartitioned",
         ge=0,
@@ -150,16 +158,23 @@ class ZeroConfig:
         ignored="FSDP2 shards every parameter; small ones ride in their block's all-gather",
     )
     stage3_max_live_parameters: int = option(
-        1_000_000_000, doc="cap on gathered parameters", ge=0, aliases=("max_live_parameters",), ignored=_FSDP_BUCKETS
+        1_000_000_000, doc="cap on gathered parameters", ge=0, aliases=("max_live_parameters",), ignored=FSDP_BUCKETS
     )
     stage3_max_reuse_distance: int = option(
-        1_000_000_000, doc="keep gathered if reused this soon", ge=0, aliases=("max_reuse_distance",), ignored=_FSDP_BUCKETS
+        1_000_000_000,
+        doc="keep gathered if reused this soon",
+        ge=0,
+        aliases=("max_reuse_distance",),
+        ignored=FSDP_BUCKETS,
     )
-    sub_group_size: int = option(1_000_000_000, doc="optimizer step granularity", ge=0, ignored=_FSDP_BUCKETS)
+    sub_group_size: int = option(1_000_000_000, doc="optimizer step granularity", ge=0, ignored=FSDP_BUCKETS)
     offload_optimizer: OffloadOptimizerConfig = option(doc="optimizer offload", factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = option(doc="parameter offload", factory=OffloadParamConfig)
     zero_hpz_partition_size: int | Auto = option(
-        1, doc="hpZ: secondary weight partition inside groups of this many ranks (auto = ranks per node)", ge=0, auto=True
+        1,
+        doc="hpZ: secondary weight partition inside groups of this many ranks (auto = ranks per node)",
+        ge=0,
+        auto=True,
     )
     zero_quantized_weights: bool = option(False, doc="qwZ: INT8 blockwise weight all-gather")
     zero_quantized_nontrainable_weights: bool = option(False, doc="store frozen weights quantized")
@@ -167,37 +182,7 @@ class ZeroConfig:
     zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=16)
     zero_quantized_gradients_block_size: int = option(4096, doc="ds_plugin: elements per qgZ scale", ge=16)
 
-    IGNORED_KEYS = {
-        "reduce_scatter": "gradients are always reduce-scattered by FSDP2",
-        "use_multi_rank_bucket_allreduce": _FSDP_BUCKETS,
-        "allgather_partitions": "FSDP2 always all-gathers shards",
-        "compute_grad_norm": "the global norm is computed when gradient_clipping > 0",
-        "load_from_fp32_weights": "checkpoints always hold the fp32 master weights",
-        "elastic_checkpoint": "checkpoints reshard to any world size anyway",
-        "stage3_model_persistence_threshold": "FSDP2 shards every parameter",
-        "model_persistence_threshold": "FSDP2 shards every parameter",
-        "stage3_gather_16bit_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
-        "gather_16bit_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
-        "stage3_gather_fp16_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
-        "stage3_module_granularity_threshold": "blocks to wrap are chosen from the model's structure",
-        "stage3_use_all_reduce_for_fetch_params": _DS_RUNTIME,
-        "stage3_allgather_sequential": _DS_RUNTIME,
-        "ignore_unused_parameters": "FSDP2 handles unused parameters",
-        "legacy_stage1": _DS_RUNTIME,
-        "round_robin_gradients": _DS_RUNTIME,
-        "parameter_alignment": _DS_RUNTIME,
-        "memory_efficient_linear": _DS_RUNTIME,
-        "pipeline_loading_checkpoint": _DS_RUNTIME,
-        "override_module_apply": _DS_RUNTIME,
-        "log_trace_cache_warnings": _DS_RUNTIME,
-        "enable_sanity_checks": _DS_RUNTIME,
-        "save_muon_momentum_buffer_in_memory": _DS_RUNTIME,
-        "leaf_module": "blocks to wrap are chosen from the model's structure",
-        "zenflow": _DS_RUNTIME,
-        "mics_shard_size": _DS_RUNTIME,
-        "mics_hierarchical_params_gather": _DS_RUNTIME,
-        "zeropp_loco_param": _DS_RUNTIME,
-    }
+    IGNORED_KEYS = ZERO_IGNORED
 
     @staticmethod
     def _legacy(data: dict[str, Any], path: str) -> dict[str, Any]:
@@ -265,62 +250,13 @@ class DataTypesConfig:
     }
 
 
-_TOP_IGNORED = {
-    "optimizer": "build the optimizer in your code (torch.optim or configure_optimizers); ZeRO shards whatever you pass",
-    "scheduler": "build the LR scheduler in your code; it works unchanged on the sharded optimizer",
-    "steps_per_print": "progress is reported by the framework's logger",
-    "wall_clock_breakdown": _DS_RUNTIME,
-    "memory_breakdown": "use `ds-plugin bench zero-memory`",
-    "dump_state": _DS_RUNTIME,
-    "prescale_gradients": "gradients are averaged once, by the reduce-scatter",
-    "gradient_predivide_factor": "gradients are averaged once, by the reduce-scatter",
-    "gradient_allreduce_op": "gradients are always averaged",
-    "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed",
-    "zero_force_ds_cpu_optimizer": "the optimizer step runs torch's own kernels",
-    "disable_allgather": _DS_RUNTIME,
-    "sparse_gradients": _DS_RUNTIME,
-    "amp": "use fp16 or bf16 instead of apex AMP",
-    "torch_autocast": "use fp16 or bf16; precision plugins set autocast",
-    "activation_checkpointing": "use your framework's activation checkpointing",
-    "flops_profiler": _DS_RUNTIME,
-    "tensorboard": "logging belongs to the framework",
-    "wandb": "logging belongs to the framework",
-    "csv_monitor": "logging belongs to the framework",
-    "comet": "logging belongs to the framework",
-    "monitor_config": "logging belongs to the framework",
-    "hybrid_engine": "generation runs the model as is (DeepSpeed-Chat inference engine not needed)",
-    "aio": "NVMe offload is not supported",
-    "checkpoint": "checkpoints are torch.distributed.checkpoint directories",
-    "elasticity": _DS_RUNTIME,
-    "pipeline": "pipeline parallelism is not part of ds_plugin",
-    "progressive_layer_drop": _DS_RUNTIME,
-    "curriculum_learning": _DS_RUNTIME,
-    "data_efficiency": _DS_RUNTIME,
-    "compression_training": _DS_RUNTIME,
-    "eigenvalue": _DS_RUNTIME,
-    "quantize_training": _DS_RUNTIME,
-    "autotuning": _DS_RUNTIME,
-    "nebula": _DS_RUNTIME,
-    "compile": "call torch.compile on the model yourself",
-    "weight_quantization": "use zero_quantized_nontrainable_weights",
-    "tensor_parallel": "tensor parallelism is not part of ds_plugin",
-    "sequence_parallel_size": "sequence parallelism is not part of ds_plugin",
-    "seq_parallel_communication_data_type": "sequence parallelism is not part of ds_plugin",
-    "timers": _DS_RUNTIME,
-    "dataloader_drop_last": "data loading belongs to the framework",
-    "disable_python_gc": _DS_RUNTIME,
-    "use_data_before_expert_parallelism": "expert parallelism is not part of ds_plugin",
-    "log_level": "use Python logging",
-    "memory_efficient_linear": _DS_RUNTIME,
-    "zero_optimization_stage": _DS_RUNTIME,
-}
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     """A whole DeepSpeed-style training config. Build it with `from_deepspeed` or a preset name."""
 
-    train_batch_size: int | Auto | None = option(None, doc="global batch = micro x accumulation x world", ge=1, auto=True)
+    train_batch_size: int | Auto | None = option(
+        None, doc="global batch = micro x accumulation x world", ge=1, auto=True
+    )
     train_micro_batch_size_per_gpu: int | Auto | None = option(None, doc="batch per rank per step", ge=1, auto=True)
     gradient_accumulation_steps: int | Auto | None = option(None, doc="micro-steps per optimizer step", ge=1, auto=True)
     gradient_clipping: float | Auto = option(
@@ -337,7 +273,7 @@ class TrainingConfig:
         default_factory=dict, compare=False, metadata={"internal": True, "doc": "keys accepted without effect"}
     )
 
-    IGNORED_KEYS = _TOP_IGNORED
+    IGNORED_KEYS = TOP_LEVEL_IGNORED
 
     @staticmethod
     def _legacy(data: dict[str, Any], path: str) -> dict[str, Any]:
@@ -362,7 +298,7 @@ class TrainingConfig:
 
     @property
     def compute_dtype(self) -> DType:
-        """"fp16", "bf16" or "fp32": the dtype forward/backward run in."""
+        """ "fp16", "bf16" or "fp32": the dtype forward/backward run in."""
         if self.fp16.enabled is True:
             return "fp16"
         if self.bf16.enabled is True:
@@ -541,16 +477,29 @@ def _check_batch(tb: Any, mb: Any, ga: Any, world: int | None) -> tuple[Any, Any
     return tb, mb, ga
 
 
+def _yaml_loader() -> type:
+    """PyYAML's safe loader, plus YAML 1.2 floats: PyYAML reads `2.0e8` (no exponent sign) as a string."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$|^[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
 def _load_file(path: Path) -> Any:
     try:
         text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name, or bytes that are not UTF-8
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{str(path)!r:.80}: cannot read the config ({reason})") from None
     if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=_yaml_loader())
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     try:

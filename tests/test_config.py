@@ -1,0 +1,200 @@
+"""DeepSpeed configs written from its documented keys parse, keep their values, and round-trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_plugin.config import AUTO, ConfigError, TrainingConfig, from_deepspeed
+from ds_plugin.presets import PRESETS, get_preset
+
+CONFIGS = Path(__file__).parent / "configs"
+GOOD = sorted(CONFIGS.glob("*.json")) + sorted(CONFIGS.glob("*.yaml"))
+
+# Keys whose old spelling maps onto a new one (checked separately).
+ALIASES = {"bfloat16": "bf16"}
+
+
+def _load(path: Path) -> dict:
+    if path.suffix == ".yaml":
+        from ds_plugin.config import _load_file  # YAML 1.2 floats such as 2.0e8, which PyYAML reads as strings
+
+        return _load_file(path)
+    return json.loads(path.read_text())
+
+
+def _leaves(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, key)
+        else:
+            yield key, v
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d[part]
+    return d
+
+
+def test_corpus_is_not_empty():
+    assert len(GOOD) >= 6
+
+
+@pytest.mark.parametrize("path", GOOD, ids=lambda p: p.name)
+def test_documented_configs_parse_and_round_trip(path):
+    raw = _load(path)
+    cfg = from_deepspeed(path)
+    out = cfg.to_deepspeed()
+    for key, value in _leaves(raw):
+        got = _get(out, key)
+        if isinstance(value, list):
+            assert list(got) == value, key
+        else:
+            assert got == value, key
+    # Parsing what we wrote gives the same config again.
+    assert from_deepspeed(out) == cfg
+
+
+def test_defaults_are_deepspeeds():
+    cfg = from_deepspeed({})
+    assert cfg.stage == 0
+    fp16 = cfg.fp16
+    assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window) == (False, 0, 16, 1000)
+    assert (fp16.hysteresis, fp16.consecutive_hysteresis, fp16.min_loss_scale, fp16.auto_cast) == (2, False, 1, False)
+    z = cfg.zero_optimization
+    assert z.reduce_bucket_size == 5e8 and z.allgather_bucket_size == 5e8
+    assert z.stage3_prefetch_bucket_size == 5e7 and z.stage3_param_persistence_threshold == 1e5
+    assert z.stage3_max_live_parameters == 1e9 and z.stage3_max_reuse_distance == 1e9 and z.sub_group_size == 1e9
+    assert z.zero_hpz_partition_size == 1 and not z.zero_quantized_weights and not z.zero_quantized_gradients
+    assert not z.zero_quantized_nontrainable_weights
+    assert z.offload_optimizer.device == "none" and z.offload_param.device == "none"
+    assert z.contiguous_gradients is True
+    # DeepSpeed 0.19.8: GRADIENT_CLIPPING_DEFAULT = 1.0 (runtime/constants.py).
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.compute_dtype == cfg.reduce_dtype == cfg.grad_accum_dtype == "fp32"
+
+
+def test_communication_and_accumulation_dtypes_default_to_compute_dtype():
+    cfg = from_deepspeed({"bf16": {"enabled": True}})
+    assert (cfg.compute_dtype, cfg.reduce_dtype, cfg.grad_accum_dtype) == ("bf16", "bf16", "bf16")
+    cfg = from_deepspeed({"fp16": {"enabled": True}, "communication_data_type": "fp32"})
+    assert (cfg.compute_dtype, cfg.reduce_dtype, cfg.grad_accum_dtype) == ("fp16", "fp32", "fp16")
+    cfg = from_deepspeed({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert cfg.grad_accum_dtype == "fp32"
+
+
+def test_old_aliases():
+    cfg = from_deepspeed({"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert cfg.bf16.enabled is True
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    cfg = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "cpu_offload_param": True, "cpu_offload_use_pin_memory": False}}
+    )
+    assert cfg.zero_optimization.offload_param.device == "cpu"
+    assert cfg.zero_optimization.offload_param.pin_memory is False
+    assert from_deepspeed({"zero_optimization": True}).stage == 1
+    assert from_deepspeed({"zero_optimization": 2}).stage == 2
+    short = from_deepspeed({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 123}})
+    assert short.zero_optimization.stage3_prefetch_bucket_size == 123
+    assert short.to_deepspeed()["zero_optimization"]["stage3_prefetch_bucket_size"] == 123
+
+
+def test_ignored_keys_are_reported_with_reasons():
+    cfg = from_deepspeed(CONFIGS / "deepspeed_chat_step1_zero3_offload.json")
+    ignored = cfg.ignored_keys()
+    for key in (
+        "steps_per_print",
+        "hybrid_engine",
+        "tensorboard",
+        "zero_optimization.memory_efficient_linear",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "prescale_gradients",
+    ):
+        assert ignored.get(key), key
+    assert "zero_optimization.stage" not in ignored
+
+
+def test_auto_values_are_kept_then_resolved():
+    cfg = from_deepspeed(CONFIGS / "hf_trainer_zero3_auto.json")
+    assert cfg.train_micro_batch_size_per_gpu == AUTO and cfg.gradient_clipping == AUTO
+    assert "fp16.enabled" in cfg.unresolved()
+    r = cfg.resolve(
+        world_size=4, micro_batch_size=2, gradient_accumulation_steps=3, gradient_clipping=0.5, precision="bf16"
+    )
+    assert (r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps, r.train_batch_size) == (2, 3, 24)
+    assert r.gradient_clipping == 0.5 and r.compute_dtype == "bf16" and r.fp16.enabled is False
+    # Bucket sizes stay "auto": they have no effect here, so nothing needs their value.
+    assert r.unresolved() == [
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tb", "mb", "ga", "world", "expect"),
+    [
+        (32, 4, None, 4, (32, 4, 2)),
+        (32, None, 2, 4, (32, 4, 2)),
+        (None, 4, 2, 4, (32, 4, 2)),
+        (32, None, None, 4, (32, 8, 1)),
+        (32, 4, 2, 4, (32, 4, 2)),
+    ],
+)
+def test_batch_size_any_two_determine_the_third(tb, mb, ga, world, expect):
+    raw = {
+        k: v
+        for k, v in (
+            ("train_batch_size", tb),
+            ("train_micro_batch_size_per_gpu", mb),
+            ("gradient_accumulation_steps", ga),
+        )
+        if v is not None
+    }
+    r = from_deepspeed(raw).resolve(world_size=world)
+    assert (r.train_batch_size, r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps) == expect
+
+
+def test_inconsistent_batch_sizes_fail_once_world_size_is_known():
+    cfg = from_deepspeed(
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    )
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        cfg.resolve(world_size=2)
+
+
+def test_hpz_must_divide_world_size():
+    cfg = from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}})
+    assert cfg.resolve(world_size=8).zero_optimization.hpz_partition_size == 4
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
+        cfg.resolve(world_size=6)
+    auto = get_preset("zeropp").resolve(world_size=8, ranks_per_node=4)
+    assert auto.zero_optimization.hpz_partition_size == 4
+
+
+def test_presets():
+    assert set(PRESETS) >= {"zero0", "zero1", "zero2", "zero3", "zero3_offload", "zeropp"}
+    for name in ("zero0", "zero1", "zero2", "zero3"):
+        assert get_preset(name).stage == int(name[-1])
+    pp = get_preset("zeropp").zero_optimization
+    assert pp.stage == 3 and pp.zero_quantized_weights and pp.zero_quantized_gradients
+    assert pp.zero_hpz_partition_size == AUTO
+    off = get_preset("zero3_offload").zero_optimization
+    assert off.offload_optimizer.device == off.offload_param.device == "cpu"
+    assert get_preset("zero2", bf16={"enabled": True}).compute_dtype == "bf16"
+    with pytest.raises(ConfigError, match="did you mean 'zero3'"):
+        get_preset("zero33")
+
+
+def test_config_is_frozen_and_replace_validates():
+    cfg = get_preset("zero3")
+    with pytest.raises(AttributeError):
+        cfg.gradient_clipping = 2.0  # type: ignore[misc]
+    assert cfg.replace(zero_optimization={"stage": 2}).stage == 2
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
+        cfg.replace(zero_optimization={"stage": 7})
+    assert isinstance(cfg.replace(gradient_clipping=0.0), TrainingConfig)
