@@ -1,3 +1,30 @@
-"""ds_plugin: DeepSpeed's training features on torch.distributed's FSDP2, for Lightning and Accelerate."""
+"""ds_plugin: DeepSpeed's ZeRO, ZeRO++ and mixed precision on torch.distributed's FSDP2.
+
+Public verbs: `load_config` (a preset name, a DeepSpeed JSON/YAML path, or a dict), `initialize` (model +
+config -> ZeRO engine), `apply_zero`, and the config types. Importing the package also registers the
+Lightning strategy names (zero0..zero3, zero3_offload, zeropp) when Lightning is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ds_plugin.config import ConfigError, TrainingConfig, from_deepspeed
+from ds_plugin.presets import PRESETS, get_preset
 
 __version__ = "0.1.0"
+
+__all__ = ["PRESETS", "ConfigError", "TrainingConfig", "from_deepspeed", "get_preset", "load_config"]
+
+
+def load_config(config: str | os.PathLike | Mapping[str, Any] | TrainingConfig) -> TrainingConfig:
+    """A `TrainingConfig` from a preset name ("zero3", "zeropp", ...), a DeepSpeed .json/.yaml path, or a dict.
+
+    Args:
+        config: what to load; a `TrainingConfig` is returned unchanged.
+    """
+    if isinstance(config, str) and config in PRESETS:
+        return get_preset(config)
+    return from_deepspeed(config)
