@@ -28,3 +28,16 @@ def load_config(config: str | os.PathLike | Mapping[str, Any] | TrainingConfig) 
     if isinstance(config, str) and config in PRESETS:
         return get_preset(config)
     return from_deepspeed(config)
+
+
+def __getattr__(name: str):
+    # The engine imports torch.distributed; keep `import ds_plugin` cheap for config-only users (the CLI).
+    if name in ("initialize", "ZeroEngine"):
+        from ds_plugin.zero import engine
+
+        return getattr(engine, name)
+    if name == "apply_zero":
+        from ds_plugin.zero.apply import apply_zero
+
+        return apply_zero
+    raise AttributeError(f"module 'ds_plugin' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Benchmarks: programs that print JSON (``ds-plugin bench NAME``)."""

@@ -1,0 +1,176 @@
+"""`apply_zero(model, config)`: turn a model into a ZeRO model for stages 0, 1, 2 or 3.
+
+Stages 2 and 3 are FSDP2: every repeated block, then the root, goes through `fully_shard`, so the fp32 master
+weights are the sharded parameters and the gradients are reduce-scattered into them. Stage 3 frees the
+gathered weights after each block's forward (`reshard_after_forward=True`, or hpZ's int k); stage 2 keeps
+them until backward (False). FSDP2 leaves the root unresharded after forward by itself, which is the faster
+choice DESIGN.md records. Stages 0 and 1 keep the parameters whole (see `stage1.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from ds_plugin.config import TrainingConfig, from_deepspeed
+from ds_plugin.zero.mesh import (
+    ZeroSetupError,
+    data_parallel_mesh,
+    reshard_after_forward,
+    resolve_for_world,
+    torch_dtype,
+)
+from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
+from ds_plugin.zero.wrap import BlockTypes, find_blocks
+
+__all__ = ["apply_zero", "is_zero_applied", "mixed_precision_policy"]
+
+logger = logging.getLogger(__name__)
+
+
+def mixed_precision_policy(config: TrainingConfig) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for a config: compute in fp16/bf16, reduce in `communication_data_type`.
+
+    The fp32 master weights are the sharded parameters themselves, so `param_dtype` only sets the dtype of
+    the gathered copies forward and backward use.
+
+    Args:
+        config: the training config.
+    """
+    compute = torch_dtype(config.compute_dtype)
+    reduce = torch_dtype(config.reduce_dtype)
+    return MixedPrecisionPolicy(
+        param_dtype=None if compute == torch.float32 else compute,
+        reduce_dtype=None if reduce == compute else reduce,
+    )
+
+
+def is_zero_applied(model: nn.Module) -> bool:
+    """Whether `apply_zero` (or a raw `fully_shard`) already went over this model.
+
+    Args:
+        model: any module.
+    """
+    return isinstance(model, FSDPModule) or replicated_state(model) is not None
+
+
+def _check_model(model: nn.Module, stage: int) -> None:
+    if next(model.parameters(), None) is None:
+        raise ZeroSetupError(
+            f"{type(model).__name__} has no parameters; ZeRO partitions parameters, so build the model's layers "
+            "before apply_zero"
+        )
+    if is_zero_applied(model):
+        raise ZeroSetupError(f"{type(model).__name__} already went through apply_zero/fully_shard; apply it once")
+    if stage >= 2:
+        scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+        if scalars:
+            raise ZeroSetupError(
+                f"parameter {scalars[0]!r} is a scalar, which stage {stage} (FSDP2) cannot shard; "
+                "make it a 1-element tensor (e.g. torch.ones(1)) or use stage 0 or 1"
+            )
+
+
+def _upcast_masters(model: nn.Module) -> None:
+    # Mixed precision keeps fp32 masters whatever dtype the weights were loaded in (as DeepSpeed does).
+    low = [p for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    if low:
+        logger.info("upcasting %d %s parameters to fp32 master weights", len(low), low[0].dtype)
+        for p in low:
+            p.data = p.data.float()
+
+
+def _wants_offload(config: TrainingConfig, mesh: DeviceMesh) -> bool:
+    zero = config.zero_optimization
+    wanted = "cpu" in (zero.offload_optimizer.device, zero.offload_param.device)
+    if wanted and mesh.device_type == "cpu":
+        logger.info("offload to cpu requested on a CPU-only run: everything already lives in host memory")
+        return False
+    return wanted
+
+
+def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: list[nn.Module]) -> None:
+    zero = config.zero_optimization
+    offload: OffloadPolicy = OffloadPolicy()
+    if _wants_offload(config, mesh):
+        pin = zero.offload_param.pin_memory if zero.offload_param.device == "cpu" else zero.offload_optimizer.pin_memory
+        # FSDP2 offloads all sharded state together: the sharded params are the fp32 masters the optimizer owns.
+        offload = CPUOffloadPolicy(pin_memory=pin)
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward(config, mesh.size()),
+        "mp_policy": mixed_precision_policy(config),
+        "offload_policy": offload,
+    }
+    # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _replicate(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh) -> None:
+    master_device = torch.device("cpu") if _wants_offload(config, mesh) else None
+    ReplicatedState(
+        model,
+        mesh,
+        shard=config.stage == 1,
+        compute_dtype=torch_dtype(config.compute_dtype),
+        reduce_dtype=torch_dtype(config.reduce_dtype),
+        accum_dtype=torch_dtype(config.grad_accum_dtype),
+        master_device=master_device,
+    )
+
+
+def apply_zero(
+    model: nn.Module,
+    config: TrainingConfig | dict[str, Any] | str,
+    *,
+    mesh: DeviceMesh | None = None,
+    block_types: BlockTypes | None = None,
+) -> nn.Module:
+    """Make `model` a ZeRO model for the config's stage, in place, and return it.
+
+    Stage 0: data parallel; 1: + fp32 masters and optimizer state sharded; 2: + gradients sharded (FSDP2,
+    weights kept gathered from forward to backward); 3: + weights sharded (FSDP2 per block, root last; hpZ
+    with `zero_hpz_partition_size` k > 1). Mixed precision and offload come from the config. Parameter names
+    do not change, so state dicts keep the model's own keys.
+
+    Args:
+        model: the model, on CPU, its accelerator, or the meta device (see `init_sharded`).
+        config: a `TrainingConfig`, a DeepSpeed config dict or the path to one.
+        mesh: the 1-D data-parallel mesh; default all ranks of the initialized process group.
+        block_types: module classes or class names to shard as separate units (stage 2/3); default the
+            model's `_no_split_modules`, else the repeated children of its `nn.ModuleList`s.
+
+    Raises:
+        ZeroSetupError: the model has no parameters, was already applied, or `block_types` matches nothing.
+        ConfigError: the hpZ group size does not divide the world size, or a value is still "auto".
+    """
+    config = from_deepspeed(config)
+    _check_model(model, config.stage)
+    mesh = data_parallel_mesh(mesh)
+    config = resolve_for_world(config, mesh.size())
+    if config.stage >= 2:
+        reshard_after_forward(config, mesh.size())  # fail on a bad hpZ size before touching the model
+    blocks = find_blocks(model, block_types) if config.stage >= 2 or block_types is not None else []
+    if config.compute_dtype != "fp32":
+        _upcast_masters(model)
+    if config.stage >= 2:
+        _shard(model, config, mesh, blocks)
+    else:
+        _replicate(model, config, mesh)
+    if mesh.get_local_rank() == 0:
+        logger.info(
+            "ZeRO stage %d on %d ranks: %d blocks, compute %s, reduce %s",
+            config.stage,
+            mesh.size(),
+            len(blocks),
+            config.compute_dtype,
+            config.reduce_dtype,
+        )
+    return model

@@ -1,0 +1,494 @@
+"""Sharded checkpoints on torch.distributed.checkpoint (DCP): atomic, resharding, and guarded.
+
+One directory per checkpoint. Every rank writes its own shards (DCP's FileSystemWriter); rank 0 adds
+`ds_plugin_checkpoint.json` (format version, the sha256 of DCP's `.metadata`, the size of every file, and
+the caller's small JSON `extra`). The directory is written under a temporary sibling name and renamed
+into place only once complete, so a crash mid-write never leaves a half checkpoint under the final name
+and never touches an older one. A checkpoint saved at world size W loads at any W', including a single
+process without torch.distributed (DCP reshards on load).
+
+The pickle guard. DCP stores `.metadata` with `pickle` and its stock reader runs `pickle.load`, and its
+stock planner reads non-tensor values (optimizer hyper-parameters) with `torch.load(weights_only=False)`:
+either can run code from a crafted checkpoint. Here (1) nothing is read unless our marker file is present,
+has a known format version, and the `.metadata` bytes match the sha256 and every file the size it
+records; (2) `.metadata` is then unpickled by a restricted unpickler that only builds DCP's metadata
+classes, `torch.Size`, dtypes, layouts and paths; (3) non-tensor values are loaded with
+`torch.load(weights_only=True)` (tensors already are). (1) catches foreign, truncated or edited
+checkpoints but not a forger, who can rewrite the marker too; (2) and (3) are what stop code execution
+even then. Not covered: a forged checkpoint can still hold wrong numbers or huge shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = [
+    "MARKER",
+    "CheckpointError",
+    "load_checkpoint",
+    "load_fsdp",
+    "load_full_state_dict",
+    "model_metadata",
+    "read_checkpoint_info",
+    "save_checkpoint",
+    "save_fsdp",
+]
+
+logger = logging.getLogger(__name__)
+
+MARKER = "ds_plugin_checkpoint.json"
+FORMAT = "ds_plugin.dcp"
+FORMAT_VERSION = 1
+_METADATA = ".metadata"
+# DCP warns when it runs without torch.distributed; here one process is a supported case, not a slip.
+_SINGLE_PROCESS_WARNING = ".*assuming the intent is to (save|load) in a single process.*"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message is one line naming the cause and the fix."""
+
+
+# -- small collective helpers (no-ops without torch.distributed) ------------------------------------------------
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank, so a decision (or an error) taken on rank 0 is taken by all."""
+    if not _dist_on():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _one_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        # DCP gathers every rank's exception and traceback into one dump; report the first rank's error.
+        rank, (inner, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        detail = (
+            _one_line(inner) if isinstance(inner, CheckpointError) else f"{type(inner).__name__}: {_one_line(inner)}"
+        )
+        return f"rank {rank}: {detail}"
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+# -- the restricted unpickler ----------------------------------------------------------------------------------
+_PATH_MODULES = {"pathlib", "pathlib._local"}
+_PATH_NAMES = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
+_DCP_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP's `.metadata` legitimately holds; anything else is refused before it is imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module in _PATH_MODULES and name in _PATH_NAMES):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in _DCP_MODULES:
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and obj.__module__ == module:  # a class defined there, not a re-export
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_checkpoint_info(path: str | os.PathLike) -> tuple[dict[str, Any], Metadata]:
+    """Verify a checkpoint directory and return (its marker dict, its DCP metadata), unpickled safely.
+
+    Args:
+        path: the checkpoint directory.
+
+    Raises:
+        CheckpointError: not our checkpoint, a newer format, modified/truncated files, or disallowed pickle.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory; pass a checkpoint directory written by save_checkpoint")
+    marker = root / MARKER
+    if not marker.is_file():
+        raise CheckpointError(
+            f"{root} is not a ds_plugin checkpoint (no {MARKER}); refusing to unpickle its .metadata — "
+            "only load checkpoints written by ds_plugin.zero.checkpoint.save_checkpoint"
+        )
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{marker} is unreadable ({_one_line(e)}); the checkpoint is corrupted") from e
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointError(f"{marker} is not a {FORMAT} marker; the directory was not written by ds_plugin")
+    if not isinstance(info.get("version"), int) or info["version"] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{root} has checkpoint format version {info.get('version')!r}; this ds_plugin reads up to "
+            f"{FORMAT_VERSION} — upgrade ds_plugin"
+        )
+    for name, size in dict(info.get("files", {})).items():
+        if name == _METADATA:  # its sha256 is checked below
+            continue
+        f = root / name
+        actual = f.stat().st_size if f.is_file() else None
+        if actual != size:
+            raise CheckpointError(
+                f"{f} has {actual} bytes, {size} recorded at save time: the checkpoint is truncated or corrupted"
+            )
+    data = (root / _METADATA).read_bytes()
+    if hashlib.sha256(data).hexdigest() != info.get("metadata_sha256"):
+        raise CheckpointError(
+            f"{root / _METADATA} does not match the sha256 recorded in {MARKER}: it was modified after the "
+            "checkpoint was written; refusing to unpickle it"
+        )
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise CheckpointError(f"{root / _METADATA} refused: {_one_line(e)}; refusing to load it") from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{root / _METADATA} does not hold DCP metadata; the checkpoint is corrupted")
+    return info, metadata
+
+
+class _VerifiedReader(FileSystemReader):
+    """A FileSystemReader that hands DCP the metadata already verified, instead of `pickle.load`-ing it again."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._verified = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = self._verified
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = getattr(self, "load_id", None)
+        return md
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor values must pass `torch.load(weights_only=True)` first."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"value {read_item.dest_index.fqn!r} is not plain data; refusing it") from e
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+# -- save ------------------------------------------------------------------------------------------------------
+def _json_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    try:
+        return json.loads(json.dumps(extra or {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable ({_one_line(e)}); store tensors in the state") from e
+
+
+def _prepare_tmp(final: Path, overwrite: bool) -> tuple[str | None, str | None]:
+    """Rank 0: (error, temporary directory name). Clears temporaries that crashed saves left behind."""
+    if final.exists() and not overwrite:
+        return f"{final} already exists; choose a new directory or pass overwrite=True", None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(f".{final.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+    except OSError as e:
+        return f"cannot create a checkpoint next to {final}: {_one_line(e)}", None
+    return None, tmp.name
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _finalize(tmp: Path, final: Path, info: dict[str, Any]) -> str | None:
+    """Rank 0: write the marker and move the finished directory into place. Returns an error or None."""
+    try:
+        info["metadata_sha256"] = _sha256(tmp / _METADATA)
+        info["files"] = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+        with open(tmp / MARKER, "w") as f:
+            json.dump(info, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # overwrite=True: swap, then delete, so a crash leaves one of the two intact
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        return f"cannot finish checkpoint {final}: {_one_line(e)}"
+    return None
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a sharded checkpoint directory atomically; a collective: every rank calls it.
+
+    Args:
+        path: the checkpoint directory to create (all ranks must see the same filesystem).
+        model_state: the model state dict (DTensor shards, or plain tensors in one process).
+        optimizer_state: the optimizer state dict keyed by parameter names (DCP's `get_state_dict` form).
+        extra: small JSON-able metadata (step, loss-scaler state, config, `model_metadata(model)`).
+        overwrite: replace an existing directory of that name (swapped in, then the old one removed).
+
+    Returns:
+        The checkpoint directory.
+    """
+    final = Path(path).absolute()
+    info = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "world_size": dist.get_world_size() if _dist_on() else 1,
+        "torch_version": torch.__version__,
+        "has_optimizer": optimizer_state is not None,
+        "extra": _json_extra(extra),
+    }
+    err, tmp_name = _from_rank0(_prepare_tmp(final, overwrite) if _rank() == 0 else (None, None))
+    if err:
+        raise CheckpointError(err)
+    tmp = final.parent / tmp_name
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer_state is not None:
+        state["optim"] = optimizer_state
+    try:
+        # DCP gathers every rank's write result to rank 0, which writes .metadata last: when it returns on
+        # rank 0, all shards are on disk (fsynced), so the rename below needs no further barrier.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _dist_on())
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving {final} failed: {_one_line(e)}") from e
+    err = _from_rank0(_finalize(tmp, final, info) if _rank() == 0 else None)
+    if err:
+        raise CheckpointError(err)
+    if _rank() == 0:
+        logger.info("saved checkpoint %s", final)
+    return final
+
+
+# -- load ------------------------------------------------------------------------------------------------------
+def _global_shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None  # a DTensor's shape is global
+
+
+def _check_keys(root: Path, state: dict[str, Any], metadata: Metadata, extra: dict[str, Any]) -> None:
+    """Fail with one line, before DCP does with a multi-rank dump, when the checkpoint is another model's."""
+    try:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    except ImportError:  # private helper moved: DCP's own (wrapped) error still applies
+        return
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    hint = f" ({extra['model_class']})" if extra.get("model_class") else ""
+    missing = [k for k in flat if k not in saved]
+    unexpected = [k for k in saved if k.startswith("model.") and k not in flat]
+    if missing or unexpected:
+        k = (missing or unexpected)[0]
+        where = "has no entry for" if missing else "has an entry the model lacks:"
+        raise CheckpointError(
+            f"checkpoint {root} {where} {k!r} ({len(missing)} missing, {len(unexpected)} unexpected keys): it was "
+            f"saved from a different model — build the model the checkpoint was saved from{hint}"
+        )
+    for k, value in flat.items():
+        md = saved[k]
+        shape = _global_shape(value)
+        if isinstance(md, TensorStorageMetadata) and shape is not None and tuple(md.size) != shape:
+            raise CheckpointError(
+                f"{k!r} has shape {tuple(md.size)} in checkpoint {root} but {shape} in the model: build the model "
+                f"with the checkpoint's config{hint}"
+            )
+        if isinstance(md, BytesStorageMetadata) and shape is not None:
+            raise CheckpointError(f"{k!r} is a tensor in the model but not in checkpoint {root}{hint}")
+
+
+def _dcp_load(root: Path, state: dict[str, Any], metadata: Metadata, no_dist: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        try:
+            dcp.load(state, storage_reader=_VerifiedReader(root, metadata), planner=_SafeLoadPlanner(), no_dist=no_dist)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"loading {root} failed: {_one_line(e)}") from e
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint in place into the given state dicts, resharding as needed; returns its `extra`.
+
+    Tensors (DTensor shards or plain tensors) are filled in place; non-tensor entries (optimizer
+    hyper-parameters) are replaced inside the dicts, so pass the dicts back to `set_state_dict` (or the
+    engine's `load_*_state_dict`) afterwards. Works with or without torch.distributed initialised.
+
+    Args:
+        path: the checkpoint directory.
+        model_state: the model state dict to fill (same keys as at save time).
+        optimizer_state: the optimizer state dict to fill, or None to skip the optimizer.
+    """
+    root = Path(path)
+    info, metadata = read_checkpoint_info(root)
+    extra = info.get("extra", {})
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer_state is not None:
+        if not info.get("has_optimizer"):
+            raise CheckpointError(f"checkpoint {root} holds no optimizer state; load it with optimizer_state=None")
+        state["optim"] = optimizer_state
+    _check_keys(root, state, metadata, extra)
+    _dcp_load(root, state, metadata, no_dist=not _dist_on())
+    return extra
+
+
+def load_full_state_dict(path: str | os.PathLike, prefix: str = "model") -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` as a full (unsharded) CPU tensor, read in this process alone.
+
+    Args:
+        path: the checkpoint directory.
+        prefix: "model" for the weights, "optim" for the optimizer state.
+    """
+    root = Path(path)
+    _, metadata = read_checkpoint_info(root)
+    head = prefix + "."
+    inner = {
+        k[len(head) :]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(head) and isinstance(md, TensorStorageMetadata)
+    }
+    _dcp_load(root, {prefix: inner}, metadata, no_dist=True)
+    return inner
+
+
+# -- raw FSDP2 / plain models ----------------------------------------------------------------------------------
+def model_metadata(model: torch.nn.Module) -> dict[str, Any]:
+    """What export needs to know about a model: its class, tied parameters, and a transformers config.
+
+    Args:
+        model: the (possibly fully_shard-ed) model.
+    """
+    # fully_shard swaps the class for a generated `FSDP<Name>` subclass; report the user's class.
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    meta: dict[str, Any] = {
+        "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "tied_weights": [group for group in names.values() if len(group) > 1],
+    }
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)):
+        meta["hf_config"] = json.loads(json.dumps(config.to_dict(), default=str))
+        meta["hf_architecture"] = cls.__name__
+    return meta
+
+
+def save_fsdp(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """`save_checkpoint` for a raw `fully_shard` (or plain) model and optimizer, with `model_metadata` added.
+
+    Args:
+        path: the checkpoint directory.
+        model: the model.
+        optimizer: its optimizer, or None for weights only.
+        extra: more JSON-able metadata (its keys win over `model_metadata`'s).
+        overwrite: as in `save_checkpoint`.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+    else:
+        model_state, optim_state = get_model_state_dict(model), None
+    meta = {**model_metadata(model), **(extra or {})}
+    return save_checkpoint(path, model_state=model_state, optimizer_state=optim_state, extra=meta, overwrite=overwrite)
+
+
+def load_fsdp(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load a checkpoint into a raw `fully_shard` (or plain) model and optimizer; returns the `extra` dict.
+
+    Args:
+        path: the checkpoint directory.
+        model: a model built like the saved one, sharded at any world size (or not at all).
+        optimizer: its optimizer, or None to load the weights only.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        model_state = get_model_state_dict(model)
+        extra = load_checkpoint(path, model_state=model_state)
+        set_model_state_dict(model, model_state)
+        return extra
+    model_state, optim_state = get_state_dict(model, optimizer)
+    extra = load_checkpoint(path, model_state=model_state, optimizer_state=optim_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    return extra

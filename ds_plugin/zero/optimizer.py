@@ -1,0 +1,217 @@
+"""The optimizer on the fp32 master shards: building it, clipping its gradients, naming its state.
+
+Any `torch.optim` optimizer works because ZeRO only changes *which* tensors it steps: the sharded DTensor
+parameters (stages 2/3) or the master DTensors (stages 0/1). A user's optimizer built on the original model
+is rebuilt with the same class and param-group hyper-parameters over those tensors. Gradient clipping takes
+the global norm across shards, which equals `clip_grad_norm_` on the unsharded model. Optimizer state dicts
+for stages 0/1 use the layout `torch.distributed.checkpoint.state_dict` gives FSDP2 (parameter names as keys,
+`Shard(0)` DTensors as values), so checkpoints move between stages.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ds_plugin.zero.mesh import ZeroSetupError
+
+__all__ = [
+    "OptimizerSpec",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "init_optimizer_state",
+    "load_named_optimizer_state_dict",
+    "named_optimizer_state_dict",
+]
+
+logger = logging.getLogger(__name__)
+
+OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement: dict[int, nn.Parameter]) -> Any:
+    """The optimizer over the ZeRO parameters.
+
+    Args:
+        spec: a factory called with the trainable ZeRO parameters, or an optimizer built on the original
+            model's parameters (rebuilt: same class, same param groups and hyper-parameters; it must not have
+            stepped yet, and is emptied so it cannot keep the unsharded weights alive).
+        params: the trainable ZeRO parameters (what the optimizer steps).
+        replacement: id(original parameter) -> its ZeRO parameter.
+
+    Raises:
+        ZeroSetupError: the optimizer holds state already, or a parameter that is not the model's.
+    """
+    if not isinstance(spec, torch.optim.Optimizer):
+        if not callable(spec):
+            raise ZeroSetupError(f"optimizer: {type(spec).__name__} is neither a torch optimizer nor a factory")
+        return spec(params)
+    own = {id(p) for p in params}
+    if all(id(p) in own for g in spec.param_groups for p in g["params"]):
+        return spec  # already built on the ZeRO parameters
+    if spec.state:
+        raise ZeroSetupError(
+            f"optimizer: this {type(spec).__name__} has already stepped, so its state cannot follow the parameters; "
+            "pass it before training or pass a factory (lambda params: ...)"
+        )
+    groups = []
+    for group in spec.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in replacement]
+        if unknown:
+            raise ZeroSetupError(
+                f"optimizer: a {tuple(unknown[0].shape)} parameter is not one of the model's; build the optimizer on "
+                "model.parameters() before initialize, or pass a factory"
+            )
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        groups.append({**hyper, "params": [replacement[id(p)] for p in group["params"]]})
+    accepted = inspect.signature(type(spec).__init__).parameters
+    kwargs = {k: v for k, v in spec.defaults.items() if k in accepted}
+    rebuilt = type(spec)(groups, **kwargs)
+    for group in spec.param_groups:
+        group["params"] = []
+    logger.debug("rebuilt %s over %d ZeRO parameters", type(spec).__name__, len(params))
+    return rebuilt
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL moves only accelerator tensors; offloaded (CPU) gradients still need their norm reduced there.
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A gradient's local tensor and whether it is one shard of a bigger tensor (so its norm is partial)."""
+    if isinstance(t, DTensor):
+        return t.to_local(), any(isinstance(p, Shard) for p in t.placements)
+    return t, False
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter], max_norm: float, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clip gradients to a global L2 norm taken across all shards; returns the norm before clipping.
+
+    Equal to `torch.nn.utils.clip_grad_norm_` on the unsharded model: squared norms of the local shards are
+    summed over ranks (one all-reduce), replicated gradients count once.
+
+    Args:
+        params: parameters whose `.grad` (DTensor or plain) are clipped in place.
+        max_norm: the largest allowed norm.
+        group: the data-parallel process group the shards are spread over.
+    """
+    sharded, replicated = [], []
+    for p in params:
+        if p.grad is not None:
+            local, is_shard = _local(p.grad)
+            (sharded if is_shard else replicated).append(local)
+    device = (sharded or replicated or [torch.zeros(())])[0].device
+    squared = torch.nn.utils.get_total_norm(sharded).to(device, torch.float32) ** 2
+    if dist.is_available() and dist.is_initialized():
+        # Unconditional, so every rank joins whatever its shards hold (some are empty at small sizes).
+        on_wire = squared.to(_comm_device(group))
+        dist.all_reduce(on_wire, group=group)
+        squared = on_wire.to(device)
+    if replicated:
+        squared = squared + torch.nn.utils.get_total_norm(replicated).to(device, torch.float32) ** 2
+    total = squared.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for t in sharded + replicated:
+        t.mul_(coef.to(t.device, t.dtype))
+    return total
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (as `torch.distributed.checkpoint` does) so a state dict has every key.
+
+    One step with zero gradients and lr 0, the same trick torch's `get_optimizer_state_dict` uses, so a
+    checkpoint template has the same keys and step counts at every stage.
+
+    Args:
+        optimizer: an optimizer that has not stepped yet (otherwise nothing happens).
+    """
+    if optimizer.state or any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    lrs = []
+    for group in optimizer.param_groups:
+        lrs.append(group.get("lr"))
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if lr is not None:
+            group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def named_optimizer_state_dict(
+    optimizer: torch.optim.Optimizer, name_of: dict[int, str], export: Callable[[DTensor], DTensor]
+) -> dict[str, Any]:
+    """The optimizer state dict keyed by parameter names, in `get_optimizer_state_dict`'s layout.
+
+    Args:
+        optimizer: the optimizer over master parameters.
+        name_of: id(master parameter) -> the model's parameter name.
+        export: maps a master-shaped DTensor to the checkpoint layout.
+    """
+    init_optimizer_state(optimizer)
+    sd = optimizer.state_dict()
+    order = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {
+        order[i]: {k: export(v) if isinstance(v, DTensor) else v for k, v in per_param.items()}
+        for i, per_param in sd["state"].items()
+    }
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_named_optimizer_state_dict(
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    name_of: dict[int, str],
+    to_layout: Callable[[Any, nn.Parameter], DTensor],
+) -> None:
+    """Load a name-keyed optimizer state dict (any stage or world size) into an optimizer over masters.
+
+    Args:
+        optimizer: the optimizer over master parameters.
+        state_dict: {"state": {name: {key: tensor}}, "param_groups": [{..., "params": [name, ...]}]}.
+        name_of: id(master parameter) -> the model's parameter name.
+        to_layout: maps a saved tensor (DTensor or full) to a DTensor in a master's layout.
+    """
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ZeroSetupError(
+            f"optimizer state dict: {len(saved_groups)} param groups saved, {len(optimizer.param_groups)} now; "
+            "build the optimizer with the same param groups"
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index_of = {name_of[id(p)]: i for i, p in enumerate(params)}
+    groups = []
+    for saved, current in zip(saved_groups, optimizer.param_groups, strict=True):
+        names = [name_of[id(p)] for p in current["params"]]
+        if set(saved["params"]) != set(names):
+            missing = sorted(set(names) - set(saved["params"]))[:2]
+            raise ZeroSetupError(f"optimizer state dict: param group lacks {missing}; load a checkpoint of this model")
+        groups.append({**saved, "params": [index_of[n] for n in names]})
+    state = {}
+    for name, per_param in state_dict["state"].items():
+        i = index_of[name]
+        master = params[i]
+        state[i] = {
+            k: to_layout(v, master) if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim() else v
+            for k, v in per_param.items()
+        }
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
