@@ -40,6 +40,7 @@ _TILE = 4096
 # globals declared constexpr.
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_QMAX = {8: 127.0, 4: 7.0}
 _jitted: dict[tuple[str, bool], Any] = {}
 
 
@@ -141,9 +142,6 @@ def _dequantize_kernel(
         q = tl.reshape(tl.join(lo, hi), [ROWS, WIDTH]).to(tl.float32)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=1.0)
     tl.store(out_ptr + offs, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_QMAX = {8: 127.0, 4: 7.0}
 
 
 def _launch(fn: Callable[..., None], n_blocks: int, block_size: int, *args: Any, **constexprs: Any) -> None:

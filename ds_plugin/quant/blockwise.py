@@ -67,7 +67,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCALE_BYTES = 4  # one fp32 scale per block
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantizedBlocks:
     """One blockwise-quantized tensor: codes, per-block scales and what is needed to rebuild the original.
 

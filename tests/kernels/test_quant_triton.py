@@ -91,7 +91,7 @@ def check_against_reference(x: torch.Tensor, bits: int, block_size: int, *, inte
     assert_dequant_matches(out, ref, interpreted=interpreted)
 
 
-CASES = [(1, 2), (7, 4), (9, 2), (300, 64), (1001, 100), (700, 128), (4099, 1024), (2 * 2048 + 7, 2048)]
+CASES = [(1, 2), (7, 4), (9, 2), (300, 64), (1001, 100), (700, 128), (2 * 2048 + 7, 2048)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -101,7 +101,7 @@ def test_interpreted_kernels_match_reference(interpreter, numel, block_size, bit
     check_against_reference(make_input(numel, block_size, bits, dtype, seed=numel), bits, block_size, interpreted=True)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     numel=st.integers(0, 700),
     half_block=st.integers(1, 150),
@@ -114,6 +114,13 @@ def test_interpreted_kernels_match_reference_random_shapes(numel, half_block, bi
         mp.setenv("TRITON_INTERPRET", "1")
         x = make_input(numel, 2 * half_block, bits, dtype, seed)
         check_against_reference(x, bits, 2 * half_block, interpreted=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 5, 127])
+def test_interpreted_int8_odd_block_sizes(interpreter, block_size):
+    # Only INT4 needs even blocks; block_size == 1 is also the value Triton specialises as a constant.
+    for dtype in DTYPES:
+        check_against_reference(make_input(260, block_size, 8, dtype, seed=block_size), 8, block_size, interpreted=True)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
