@@ -80,8 +80,9 @@ def _export(
     if hf_config is not None:
         # Like save_pretrained: a tied group is stored under its first name and re-tied on load.
         for group in extra.get("tied_weights", []):
-            for alias in group[1:]:
-                state.pop(alias, None)
+            present = [name for name in group if name in state]
+            for alias in present[1:]:
+                del state[alias]
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     state = {k: v.contiguous() for k, v in state.items()}

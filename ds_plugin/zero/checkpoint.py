@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import uuid
 import warnings
@@ -101,8 +102,14 @@ def _one_line(exc: BaseException) -> str:
 # -- the restricted unpickler ----------------------------------------------------------------------------------
 _PATH_MODULES = {"pathlib", "pathlib._local"}
 _PATH_NAMES = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
-_DCP_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name
+    ("collections", "OrderedDict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+}
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"  # plain dataclasses and enums only
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -113,7 +120,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module in _DCP_MODULES:
+        if module == _DCP_METADATA:
             obj = getattr(importlib.import_module(module), name, None)
             if isinstance(obj, type) and obj.__module__ == module:  # a class defined there, not a re-export
                 return obj
@@ -222,8 +229,9 @@ def _prepare_tmp(final: Path, overwrite: bool) -> tuple[str | None, str | None]:
         return f"{final} already exists; choose a new directory or pass overwrite=True", None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in final.parent.glob(f".{final.name}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in final.parent.iterdir():
+            if stale.name.startswith(f".{final.name}.partial-"):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
     except OSError as e:
@@ -326,16 +334,25 @@ def _global_shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None  # a DTensor's shape is global
 
 
-def _check_keys(root: Path, state: dict[str, Any], metadata: Metadata, extra: dict[str, Any]) -> None:
-    """Fail with one line, before DCP does with a multi-rank dump, when the checkpoint is another model's."""
+# An optimizer hyper-parameter that a newer torch added (AdamW's `decoupled_weight_decay` ...): a checkpoint
+# from an older torch lacks it, and the optimizer's current value is the right one to keep.
+_OPTIONAL_KEY = re.compile(r"optim\.param_groups\.\d+\.(?!params$)[^.]+")
+
+
+def _check_keys(root: Path, state: dict[str, Any], metadata: Metadata, extra: dict[str, Any]) -> bool:
+    """Fail with one line, before DCP does with a multi-rank dump, when the checkpoint is another model's.
+
+    Returns whether some optional keys are absent (so the load must allow a partial state).
+    """
     try:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     except ImportError:  # private helper moved: DCP's own (wrapped) error still applies
-        return
+        return False
     flat, _ = flatten_state_dict(state)
     saved = metadata.state_dict_metadata
     hint = f" ({extra['model_class']})" if extra.get("model_class") else ""
-    missing = [k for k in flat if k not in saved]
+    optional = [k for k in flat if k not in saved and _OPTIONAL_KEY.fullmatch(k)]
+    missing = [k for k in flat if k not in saved and k not in optional]
     unexpected = [k for k in saved if k.startswith("model.") and k not in flat]
     if missing or unexpected:
         k = (missing or unexpected)[0]
@@ -345,7 +362,7 @@ def _check_keys(root: Path, state: dict[str, Any], metadata: Metadata, extra: di
             f"saved from a different model — build the model the checkpoint was saved from{hint}"
         )
     for k, value in flat.items():
-        md = saved[k]
+        md = saved.get(k)
         shape = _global_shape(value)
         if isinstance(md, TensorStorageMetadata) and shape is not None and tuple(md.size) != shape:
             raise CheckpointError(
@@ -354,13 +371,17 @@ def _check_keys(root: Path, state: dict[str, Any], metadata: Metadata, extra: di
             )
         if isinstance(md, BytesStorageMetadata) and shape is not None:
             raise CheckpointError(f"{k!r} is a tensor in the model but not in checkpoint {root}{hint}")
+    if optional:
+        logger.warning("checkpoint %s predates %s; keeping the optimizer's current value", root, ", ".join(optional))
+    return bool(optional)
 
 
-def _dcp_load(root: Path, state: dict[str, Any], metadata: Metadata, no_dist: bool) -> None:
+def _dcp_load(root: Path, state: dict[str, Any], metadata: Metadata, no_dist: bool, partial: bool = False) -> None:
+    reader, planner = _VerifiedReader(root, metadata), _SafeLoadPlanner(allow_partial_load=partial)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         try:
-            dcp.load(state, storage_reader=_VerifiedReader(root, metadata), planner=_SafeLoadPlanner(), no_dist=no_dist)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as e:
@@ -392,8 +413,8 @@ def load_checkpoint(
         if not info.get("has_optimizer"):
             raise CheckpointError(f"checkpoint {root} holds no optimizer state; load it with optimizer_state=None")
         state["optim"] = optimizer_state
-    _check_keys(root, state, metadata, extra)
-    _dcp_load(root, state, metadata, no_dist=not _dist_on())
+    partial = _check_keys(root, state, metadata, extra)
+    _dcp_load(root, state, metadata, no_dist=not _dist_on(), partial=partial)
     return extra
 
 

@@ -25,7 +25,8 @@ size times nccl-tests' bus-bandwidth factor, so the same number means the same t
     barrier              0
 
 `in_bytes` / `out_bytes` are the raw sizes of the local input / output tensors, for benchmarks that
-prefer DeepSpeed's message-size view.
+prefer DeepSpeed's message-size view. Op names are the ones on the left (2.13's `all_gather_single` and
+`reduce_scatter_single` count as `all_gather_into_tensor` / `reduce_scatter_tensor`); `prof_ops` uses them.
 """
 
 from __future__ import annotations
@@ -226,8 +227,8 @@ def _uninstall() -> None:
 
 
 def _fmt_bytes(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(b) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(b) < 1024:
             return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
         b /= 1024
     return f"{b:.2f} GiB"

@@ -142,7 +142,7 @@ def test_save_w4_load_w2(saved_at_4: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_save_w4_load_w1_without_dist(saved_at_4: Path) -> None:
+def test_save_w4_load_w1_without_dist(saved_at_4: Path, tmp_path: Path) -> None:
     import torch.distributed as dist
 
     assert not dist.is_initialized()
@@ -151,6 +151,14 @@ def test_save_w4_load_w1_without_dist(saved_at_4: Path) -> None:
     extra = load_fsdp(saved_at_4 / "step2", model, opt)
     assert extra["step"] == 2 and extra["model_class"] == "torch.nn.modules.container.Sequential"
     _assert_state_equal(_full_state(model, opt), torch.load(saved_at_4 / "ref.pt", weights_only=False))
+    # A model without a transformers config exports as plain safetensors with the model's own keys.
+    from safetensors.torch import load_file
+
+    out = export_checkpoint(saved_at_4 / "step2", tmp_path / "plain")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    exported = load_file(out / "model.safetensors")
+    ref_model = torch.load(saved_at_4 / "ref.pt", weights_only=False)[0]
+    assert exported.keys() == ref_model.keys() and all(torch.equal(exported[k], ref_model[k]) for k in ref_model)
     with pytest.raises(
         CheckpointError, match=r"has an entry the model lacks: 'model\.0\.bias' \(0 missing, 5 unexpected"
     ):
@@ -246,6 +254,8 @@ def test_export_gpt2_to_transformers(tmp_path: Path, capsys: pytest.CaptureFixtu
     run_ranks(_gpt2_worker, 2, str(tmp_path))
     out = export_checkpoint(tmp_path / "gpt", tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_embd"] == 16
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert info["missing_keys"] == set() or not info["missing_keys"]
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -273,3 +283,20 @@ def test_export_command_bad_directory(tmp_path: Path, capsys: pytest.CaptureFixt
     assert err.startswith("error: ") and err.count("\n") == 1
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
     assert export_command(str(tmp_path), str(tmp_path / "out"), dtype="int3") == 2
+
+
+def test_optimizer_hyperparameter_added_by_newer_torch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ck = save_checkpoint(tmp_path / "ck", model_state={}, optimizer_state={"param_groups": [{"lr": 0.1}]})
+    optim_state = {"param_groups": [{"lr": 0.5, "new_knob": True}]}
+    load_checkpoint(ck, model_state={}, optimizer_state=optim_state)
+    assert optim_state == {"param_groups": [{"lr": 0.1, "new_knob": True}]}
+    assert "optim.param_groups.0.new_knob" in caplog.text
+
+
+def test_overwrite_swaps_in_the_new_checkpoint(tmp_path: Path) -> None:
+    first = {"w": torch.zeros(3)}
+    save_checkpoint(tmp_path / "ck", model_state=first, extra={"step": 1})
+    save_checkpoint(tmp_path / "ck", model_state={"w": torch.ones(3)}, extra={"step": 2}, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary or old copy left
+    assert load_checkpoint(tmp_path / "ck", model_state=first) == {"step": 2}
+    assert torch.equal(first["w"], torch.ones(3))
