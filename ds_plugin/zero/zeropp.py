@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,15 @@ from ds_plugin.quant.blockwise import (
     quantize_int8_blockwise,
 )
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "ZeroPPStats", "node_groups"]
+__all__ = [
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "ZeroPPStats",
+    "install_zeropp",
+    "node_groups",
+    "ranks_per_node",
+    "zeropp_stats",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +79,12 @@ def _padded(numel: int, block: int) -> int:
     return -(-numel // block) * block
 
 
+def _pad_last(rows: Tensor, width: int) -> Tensor:
+    """Zero-pad the last dim of a 2-D tensor to `width` (a no-op when it already is)."""
+    extra = width - rows.shape[-1]
+    return torch.nn.functional.pad(rows, (0, extra)) if extra else rows
+
+
 class _PlainAlloc:
     """FSDP2's comm protocol also asks the comm object for its buffers."""
 
@@ -96,16 +112,15 @@ class QuantizedAllGather(_PlainAlloc):
         shard = input_tensor.numel()
         block = _block_for(shard, self.block_size)
         padded = _padded(shard, block)
-        src = input_tensor
-        if padded != shard:
-            # Pad so each rank's blocks start at a block boundary of the gathered buffer.
-            src = torch.nn.functional.pad(input_tensor, (0, padded - shard))
-        codes, scales = quantize_int8_blockwise(src, block, check_finite=False)
-        all_codes = codes.new_empty(world * codes.numel())
+        # Blocks never straddle ranks: quantize the shard padded to whole blocks, but send only its own codes;
+        # receivers pad each rank's codes back locally, so the padding costs no bytes on the wire.
+        codes, scales = quantize_int8_blockwise(_pad_last(input_tensor.view(1, -1), padded), block, check_finite=False)
+        all_codes = codes.new_empty(world * shard)
         all_scales = scales.new_empty(world * scales.numel())
-        _all_gather(all_codes, codes, group)
+        _all_gather(all_codes, codes[:shard], group)
         _all_gather(all_scales, scales, group)
-        full = dequantize_int8_blockwise(all_codes, all_scales, block, (world, padded), output_tensor.dtype)
+        full_codes = _pad_last(all_codes.view(world, shard), padded)
+        full = dequantize_int8_blockwise(full_codes, all_scales, block, (world, padded), output_tensor.dtype)
         output_tensor.view(world, shard).copy_(full[:, :shard])
         self.stats.quantized_all_gathers += 1
         return None
@@ -170,16 +185,18 @@ def _all_to_all_sum(chunks: Tensor, block_size: int, group: dist.ProcessGroup) -
     peers, numel = chunks.shape
     block = _block_for(numel, block_size)
     padded = _padded(numel, block)
-    if padded != numel:
-        chunks = torch.nn.functional.pad(chunks, (0, padded - numel))
     # check_finite=False: an inf/nan block gets a nan scale, so an fp16 overflow survives the trip and the
     # loss scaler still sees it.
-    packed, scales = quantize_int4_blockwise(chunks.contiguous(), block, check_finite=False)
-    recv_packed = torch.empty_like(packed)
+    packed, scales = quantize_int4_blockwise(_pad_last(chunks, padded), block, check_finite=False)
+    # Each row's codes are padded to whole blocks for quantizing; only the bytes holding real codes are sent.
+    row_bytes = (numel + 1) // 2
+    send = packed.view(peers, padded // 2)[:, :row_bytes].contiguous()
+    recv_packed = torch.empty_like(send)
     recv_scales = torch.empty_like(scales)
-    dist.all_to_all_single(recv_packed, packed, group=group)
+    dist.all_to_all_single(recv_packed, send, group=group)
     dist.all_to_all_single(recv_scales, scales, group=group)
-    received = dequantize_int4_blockwise(recv_packed, recv_scales, block, (peers, padded), torch.float32)
+    full = _pad_last(recv_packed, padded // 2)
+    received = dequantize_int4_blockwise(full, recv_scales, block, (peers, padded), torch.float32)
     return received[:, :numel].sum(dim=0)
 
 
@@ -204,3 +221,54 @@ def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGro
         if rank % ranks_per_node == j:
             inter = g
     return intra, inter
+
+
+def ranks_per_node(world_size: int) -> int:
+    """Ranks sharing a node: torchrun's LOCAL_WORLD_SIZE (set it per rank to simulate nodes), else all ranks."""
+    return max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size))
+
+
+_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def zeropp_stats(model: torch.nn.Module) -> ZeroPPStats | None:
+    """The ZeRO++ counters of a model `install_zeropp` handled, else None."""
+    return _STATS.get(model)
+
+
+def install_zeropp(model: torch.nn.Module, config, mesh) -> ZeroPPStats | None:
+    """Swap FSDP2's collectives for qwZ / qgZ on every sharded module of `model`, as the config asks.
+
+    Collective: every rank must call it (qgZ's node groups are created here).
+
+    Args:
+        model: a model `fully_shard` has been applied to (ZeRO stage 3).
+        config: the `TrainingConfig`; reads `zero_quantized_weights`, `zero_quantized_gradients` and their
+            block sizes.
+        mesh: the 1-D data-parallel mesh the model is sharded over.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    zero = config.zero_optimization
+    if not (zero.zero_quantized_weights or zero.zero_quantized_gradients):
+        return None
+    stats = ZeroPPStats()
+    intra = inter = None
+    world = mesh.size()
+    if zero.zero_quantized_gradients and world == dist.get_world_size():
+        per_node = ranks_per_node(world)
+        if 1 < per_node < world and world % per_node == 0:
+            intra, inter = node_groups(per_node)
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        if zero.zero_quantized_weights:
+            module.set_custom_all_gather(QuantizedAllGather(zero.zero_quantized_weights_block_size, stats))
+        if zero.zero_quantized_gradients:
+            module.set_custom_reduce_scatter(
+                QuantizedReduceScatter(
+                    zero.zero_quantized_gradients_block_size, intra_group=intra, inter_group=inter, stats=stats
+                )
+            )
+    _STATS[model] = stats
+    return stats
