@@ -27,6 +27,7 @@ from ds_plugin.zero.mesh import (
 )
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
 from ds_plugin.zero.wrap import BlockTypes, find_blocks
+from ds_plugin.zero.zeropp import install_zeropp
 
 __all__ = ["apply_zero", "is_zero_applied", "mixed_precision_policy"]
 
@@ -111,6 +112,8 @@ def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: l
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
+    install_zeropp(model, config, mesh)
 
 
 def _replicate(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh) -> None:
