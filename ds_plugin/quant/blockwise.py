@@ -64,7 +64,7 @@ DEFAULT_BLOCK_SIZE = 2048
 # Symmetric ranges: -128 / -8 are left unused so that negating a block never overflows its code range.
 _QMAX = {8: 127, 4: 7}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SCALE_BYTES = 4  # one fp32 scale per block
+_SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,19 +106,20 @@ class QuantizedBlocks:
         return dequantize_blockwise(self, backend=backend)
 
 
-def quantized_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of the quantized form of ``numel`` elements: packed codes plus one fp32 scale per block.
+def quantized_nbytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE, scale_bytes: int = 4) -> int:
+    """Bytes of the quantized form of ``numel`` elements: packed codes plus one scale per block.
 
     Args:
         numel: number of elements.
         bits: 8 or 4.
         block_size: elements per block.
+        scale_bytes: 4 for fp32 scales, 2 for bf16.
     """
     _check_format(bits, block_size)
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     data_bytes = numel if bits == 8 else -(-numel // 2)
-    return data_bytes + _SCALE_BYTES * -(-numel // block_size)
+    return data_bytes + scale_bytes * -(-numel // block_size)
 
 
 @functools.cache
@@ -145,6 +146,7 @@ def quantize_blockwise(
     *,
     check_finite: bool = True,
     backend: Backend = "auto",
+    scale_dtype: torch.dtype = torch.float32,
 ) -> QuantizedBlocks:
     """Quantize ``x`` blockwise to symmetric INT8 or INT4 (see the module docstring for the exact rules).
 
@@ -157,15 +159,20 @@ def quantize_blockwise(
             back to the host, a device sync on GPU.
         backend: ``"auto"`` picks Triton where it runs (CUDA, or ``TRITON_INTERPRET=1``) and torch otherwise;
             ``"torch"`` / ``"triton"`` force one (forcing Triton where it cannot run raises ``RuntimeError``).
+        scale_dtype: fp32 (default) or bf16. bf16 scales halve the scale bytes, which matters for small blocks;
+            each scale is rounded *up* to a bf16 value before the codes are computed, so codes never clip and
+            the step grows by at most 2**-7. The Triton kernels produce fp32 scales only; bf16 runs in torch.
     """
     _check_format(bits, block_size)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"blockwise quantization takes fp32, bf16 or fp16 tensors, got {x.dtype}")
-    kernels = _triton_kernels(x, backend)
+    if scale_dtype not in _SCALE_DTYPES:
+        raise TypeError(f"scale_dtype must be torch.float32 or torch.bfloat16, got {scale_dtype}")
+    kernels = _triton_kernels(x, backend) if scale_dtype == torch.float32 else None
     if kernels is not None:
         data, scales = kernels.quantize_blockwise_triton(x, block_size, bits)
     else:
-        codes, scales = _quantize_reference(x, block_size, bits)
+        codes, scales = _quantize_reference(x, block_size, bits, scale_dtype)
         data = codes if bits == 8 else pack_int4(codes)
     if check_finite:
         bad = int(torch.isnan(scales).sum())
@@ -193,6 +200,7 @@ def quantize_int8_blockwise(
     *,
     check_finite: bool = True,
     backend: Backend = "auto",
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
     """Symmetric INT8 blockwise quantization; returns ``(codes, scales)``.
 
@@ -204,8 +212,9 @@ def quantize_int8_blockwise(
         block_size: elements sharing one scale.
         check_finite: raise ``ValueError`` on inf/nan (default); when False, non-finite blocks get a nan scale.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
+        scale_dtype: fp32 or bf16 scales (see :func:`quantize_blockwise`).
     """
-    qb = quantize_blockwise(x, 8, block_size, check_finite=check_finite, backend=backend)
+    qb = quantize_blockwise(x, 8, block_size, check_finite=check_finite, backend=backend, scale_dtype=scale_dtype)
     return qb.data, qb.scales
 
 
@@ -237,6 +246,7 @@ def quantize_int4_blockwise(
     *,
     check_finite: bool = True,
     backend: Backend = "auto",
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
     """Symmetric INT4 blockwise quantization; returns ``(packed, scales)``.
 
@@ -248,8 +258,9 @@ def quantize_int4_blockwise(
         block_size: elements sharing one scale; must be even.
         check_finite: raise ``ValueError`` on inf/nan (default); when False, non-finite blocks get a nan scale.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
+        scale_dtype: fp32 or bf16 scales (see :func:`quantize_blockwise`).
     """
-    qb = quantize_blockwise(x, 4, block_size, check_finite=check_finite, backend=backend)
+    qb = quantize_blockwise(x, 4, block_size, check_finite=check_finite, backend=backend, scale_dtype=scale_dtype)
     return qb.data, qb.scales
 
 
@@ -349,8 +360,16 @@ def _triton_kernels(t: Tensor, backend: Backend) -> ModuleType | None:
     return kernels
 
 
-def _quantize_reference(x: Tensor, block_size: int, bits: int) -> tuple[Tensor, Tensor]:
-    """Plain-torch quantizer: int8 codes of shape ``(numel,)`` (unpacked, also for INT4) and fp32 scales."""
+def _round_up_to_bf16(scales: Tensor) -> Tensor:
+    """The smallest bf16-representable fp32 values >= `scales` (positive, finite): clear the low 16 bits, round up."""
+    bits = scales.contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
+
+
+def _quantize_reference(
+    x: Tensor, block_size: int, bits: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """Plain-torch quantizer: int8 codes of shape ``(numel,)`` (unpacked, also for INT4) and the scales."""
     qmax = _QMAX[bits]
     flat = x.reshape(-1).float()
     numel = flat.numel()
@@ -366,9 +385,13 @@ def _quantize_reference(x: Tensor, block_size: int, bits: int) -> tuple[Tensor, 
     scales = amax / torch.full_like(amax, float(qmax))
     scales = torch.where(scales == 0, 1.0, scales)
     scales = scales.clamp(max=max_finite_scale(bits))
+    if scale_dtype == torch.bfloat16:
+        # The codes are computed against the scale the receiver will see. Capped below bf16's max so that
+        # rounding up never reaches inf.
+        scales = _round_up_to_bf16(scales.clamp(max=max_finite_scale(bits) / 2))
     codes = torch.round(blocks / scales[:, None]).clamp_(-qmax, qmax)
     codes = torch.where(nonfinite_block[:, None], 0.0, codes).to(torch.int8).reshape(-1)
-    scales = torch.where(nonfinite_block, math.nan, scales)
+    scales = torch.where(nonfinite_block, math.nan, scales).to(scale_dtype)
     # Clone so no padding stays reachable through the returned tensor's storage.
     return (codes[:numel].clone() if pad else codes), scales
 
@@ -377,7 +400,7 @@ def _dequantize_reference(codes: Tensor, scales: Tensor, block_size: int, numel:
     """Plain-torch dequantizer from unpacked int8 codes; returns a flat tensor of ``numel`` elements."""
     n_blocks = scales.numel()
     blocks = F.pad(codes.float(), (0, n_blocks * block_size - numel)).view(n_blocks, block_size)
-    return (blocks * scales[:, None]).to(dtype).reshape(-1)[:numel]
+    return (blocks * scales.float()[:, None]).to(dtype).reshape(-1)[:numel]
 
 
 def _dequantize(
@@ -399,12 +422,12 @@ def _dequantize(
             f"INT{bits} data for shape {tuple(shape)} must be {expected_data[1]} with {expected_data[0]} elements, "
             f"got {data.dtype} with {data.numel()}"
         )
-    if scales.dtype != torch.float32 or scales.numel() != -(-numel // block_size):
+    if scales.dtype not in _SCALE_DTYPES or scales.numel() != -(-numel // block_size):
         raise ValueError(
-            f"expected {-(-numel // block_size)} fp32 scales for {numel} elements in blocks of {block_size}, "
+            f"expected {-(-numel // block_size)} fp32 or bf16 scales for {numel} elements in blocks of {block_size}, "
             f"got {scales.numel()} of {scales.dtype}"
         )
-    kernels = _triton_kernels(data, backend)
+    kernels = _triton_kernels(data, backend) if scales.dtype == torch.float32 else None
     if kernels is not None:
         flat = kernels.dequantize_blockwise_triton(data, scales, block_size, numel, bits, dtype)
     else:

@@ -297,7 +297,7 @@ def test_argument_validation():
     q, scales = quantize_int8_blockwise(x, 4)
     with pytest.raises(ValueError, match=r"must be torch\.int8 with 12 elements"):
         dequantize_int8_blockwise(q, scales, 4, (12,))
-    with pytest.raises(ValueError, match="expected 5 fp32 scales"):
+    with pytest.raises(ValueError, match="expected 5 fp32 or bf16 scales"):
         dequantize_int8_blockwise(q, scales, 2, (10,))
     with pytest.raises(TypeError, match="produces fp32, bf16 or fp16"):
         dequantize_int8_blockwise(q, scales, 4, (10,), torch.int32)
@@ -323,3 +323,26 @@ def test_imports_and_runs_without_triton():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bf16_scales_round_up_and_keep_the_error_bound(bits):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5000, generator=gen) * torch.logspace(-6, 3, 5000)
+    ref = quantize_blockwise(x, bits, 64)
+    qb = quantize_blockwise(x, bits, 64, scale_dtype=torch.bfloat16)
+    assert qb.scales.dtype == torch.bfloat16
+    s16, s32 = qb.scales.float(), ref.scales
+    # Rounded up to the next bf16 value: never smaller (no clipping), at most one bf16 ulp (2**-7) larger.
+    assert (s16 >= s32).all() and (s16 <= s32 * (1 + 2**-7)).all()
+    err = (qb.dequantize() - x).abs()
+    assert (err <= s16.repeat_interleave(64)[: x.numel()] * 0.5 * (1 + 1e-6)).all()
+    assert quantized_nbytes(5000, bits, 64, scale_bytes=2) == qb.data.numel() + 2 * qb.scales.numel()
+
+
+def test_bf16_scales_keep_nonfinite_blocks_nan():
+    x = torch.randn(256)
+    x[70] = float("inf")
+    qb = quantize_blockwise(x, 4, 64, check_finite=False, scale_dtype=torch.bfloat16)
+    out = qb.dequantize()
+    assert torch.isnan(out[64:128]).all() and torch.isfinite(out[:64]).all() and torch.isfinite(out[128:]).all()

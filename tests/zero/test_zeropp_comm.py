@@ -2,79 +2,52 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ds_plugin.launch import run_ranks
 from ds_plugin.zero.zeropp import QuantizedAllGather, QuantizedReduceScatter, node_groups
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        intra, inter = node_groups(2)
-        gen = torch.Generator().manual_seed(100 + rank)
-        for dtype in (torch.float32, torch.bfloat16):
-            for shard in (1, 7, 300, 5000):
-                # all-gather: error per element bounded by half a quantization step of its block.
-                x = torch.randn(shard, generator=gen).to(dtype)
-                exact = torch.empty(world * shard, dtype=dtype)
-                dist.all_gather_into_tensor(exact, x)  # the reference: the exact collective
-                got = torch.empty_like(exact)
-                QuantizedAllGather(block_size=256)(got, x, dist.group.WORLD)
-                blocks = exact.float().view(world, shard)
-                step = blocks.abs().amax(dim=1, keepdim=True) / 127
-                err = (got.float().view(world, shard) - blocks).abs()
-                # Half a step of INT8 rounding, plus the output dtype's own rounding (bf16: 2**-8 relative).
-                out_eps = 2**-8 if dtype == torch.bfloat16 else 1e-6
-                results[f"ag_{dtype}_{shard}"] = bool((err <= step * 0.5001 + blocks.abs() * out_eps + 1e-7).all())
-                # reduce-scatter: one hop and two hops, SUM and AVG, against the exact reduction.
-                g = torch.randn(world * shard, generator=gen).to(dtype)
-                for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                    ref = g.float().clone()
-                    dist.all_reduce(ref)
-                    ref = ref.view(world, shard)[rank] / (world if op == dist.ReduceOp.AVG else 1)
-                    for name, comm in (
-                        ("one_hop", QuantizedReduceScatter(block_size=256)),
-                        ("two_hop", QuantizedReduceScatter(block_size=256, intra_group=intra, inter_group=inter)),
-                    ):
-                        out = torch.empty(shard, dtype=dtype)
-                        comm(out, g, dist.group.WORLD, op)
-                        rel = ((out.float() - ref).norm() / ref.norm()).item()
-                        results[f"rs_{name}_{op}_{dtype}_{shard}"] = rel
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> dict:
+    results = {}
+    intra, inter = node_groups(2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shard in (1, 7, 300, 5000):
+            # all-gather: error per element bounded by half a quantization step of its block.
+            x = torch.randn(shard, generator=gen).to(dtype)
+            exact = torch.empty(world * shard, dtype=dtype)
+            dist.all_gather_into_tensor(exact, x)  # the reference: the exact collective
+            got = torch.empty_like(exact)
+            QuantizedAllGather(block_size=256)(got, x, dist.group.WORLD)
+            blocks = exact.float().view(world, shard)
+            step = blocks.abs().amax(dim=1, keepdim=True) / 127
+            err = (got.float().view(world, shard) - blocks).abs()
+            # Half a step of INT8 rounding, plus the output dtype's own rounding (bf16: 2**-8 relative).
+            out_eps = 2**-8 if dtype == torch.bfloat16 else 1e-6
+            results[f"ag_{dtype}_{shard}"] = bool((err <= step * 0.5001 + blocks.abs() * out_eps + 1e-7).all())
+            # reduce-scatter: one hop and two hops, SUM and AVG, against the exact reduction.
+            g = torch.randn(world * shard, generator=gen).to(dtype)
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                ref = g.float().clone()
+                dist.all_reduce(ref)
+                ref = ref.view(world, shard)[rank] / (world if op == dist.ReduceOp.AVG else 1)
+                for name, comm in (
+                    ("one_hop", QuantizedReduceScatter(block_size=256)),
+                    ("two_hop", QuantizedReduceScatter(block_size=256, intra_group=intra, inter_group=inter)),
+                ):
+                    out = torch.empty(shard, dtype=dtype)
+                    comm(out, g, dist.group.WORLD, op)
+                    rel = ((out.float() - ref).norm() / ref.norm()).item()
+                    results[f"rs_{name}_{op}_{dtype}_{shard}"] = rel
+    return results
 
 
 @pytest.mark.timeout(180)
-def test_quantized_collectives_match_exact(tmp_path):
-    world = 4
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False,
-                             start_method="spawn")
-    try:
-        while not ctx.join(timeout=150):
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    for rank in range(world):
-        res = torch.load(tmp_path / f"rank{rank}.pt")
+def test_quantized_collectives_match_exact():
+    for res in run_ranks(_worker, 4, timeout=170):
         for key, value in res.items():
             if key.startswith("ag_"):
                 assert value, key
