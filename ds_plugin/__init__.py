@@ -30,6 +30,22 @@ def load_config(config: str | os.PathLike | Mapping[str, Any] | TrainingConfig) 
     return from_deepspeed(config)
 
 
+def _register_strategies() -> None:
+    # Lightning looks strategy names up in its registry with no entry-point discovery, so the names must be in
+    # place before `Trainer(strategy="zeropp")`: registering is the side effect of `import ds_plugin`.
+    try:
+        from ds_plugin.strategies import register_lightning_strategies
+    except ImportError:  # pragma: no cover - the core works without Lightning
+        return
+    try:
+        register_lightning_strategies()
+    except ImportError:
+        pass
+
+
+_register_strategies()
+
+
 def __getattr__(name: str):
     # The engine imports torch.distributed; keep `import ds_plugin` cheap for config-only users (the CLI).
     if name in ("initialize", "ZeroEngine"):

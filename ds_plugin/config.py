@@ -179,8 +179,10 @@ class ZeroConfig:
     zero_quantized_weights: bool = option(False, doc="qwZ: INT8 blockwise weight all-gather")
     zero_quantized_nontrainable_weights: bool = option(False, doc="store frozen weights quantized")
     zero_quantized_gradients: bool = option(False, doc="qgZ: INT4 all-to-all gradient reduction")
-    zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=16)
-    zero_quantized_gradients_block_size: int = option(4096, doc="ds_plugin: elements per qgZ scale", ge=16)
+    zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=2)
+    zero_quantized_gradients_block_size: int = option(
+        64, doc="ds_plugin: elements per qgZ scale (INT4 needs small blocks to train like ZeRO-3)", ge=2
+    )
 
     IGNORED_KEYS = ZERO_IGNORED
 

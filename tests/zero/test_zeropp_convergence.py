@@ -16,7 +16,7 @@ from ds_plugin.launch import run_ranks
 pytestmark = pytest.mark.slow
 
 CORPUS = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_corpus.txt"
-STEPS, SEQ, PER_RANK = 200, 32, 2
+STEPS, SEQ, PER_RANK = 200, 32, 8
 
 
 def _batch(data: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int) -> dict:
                 "gradient_clipping": 1.0,
             }
             engine = ds_plugin.initialize(
-                GPT2LMHeadModel(cfg), config, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3)
+                GPT2LMHeadModel(cfg), config, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)
             )
             losses = []
             for step in range(STEPS):
