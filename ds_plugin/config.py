@@ -216,6 +216,11 @@ class ZeroConfig:
             "zero_hpz_partition_size": self.zero_hpz_partition_size not in (0, 1),
             "offload_param": self.offload_param.device != "none",
         }
+        if self.zero_quantized_gradients_block_size % 2:
+            raise ConfigError(
+                f"zero_quantized_gradients_block_size: {self.zero_quantized_gradients_block_size} is odd; INT4 packs "
+                "two values per byte, use an even block size such as 64"
+            )
         for key, on in needs_stage3.items():
             if on and self.stage != 3:
                 raise ConfigError(f"{key}: needs stage 3 (it acts on sharded weights); set stage to 3 or turn it off")

@@ -64,6 +64,10 @@ BAD = [
     ({"gradient_clippin": 1.0}, "gradient_clippin"),
     ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1}}, "stage3_max_live_parameters"),
     ([1, 2, 3], "config"),
+    (
+        {"zero_optimization": {"stage": 3, "zero_quantized_gradients_block_size": 63}},
+        "zero_quantized_gradients_block_size",
+    ),
 ]
 
 
