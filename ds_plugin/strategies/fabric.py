@@ -1,0 +1,295 @@
+"""`ZeroFabricStrategy`: DeepSpeed's ZeRO for Lightning Fabric, on ds_plugin's FSDP2 engine.
+
+    import ds_plugin
+    fabric = Fabric(strategy="zero3", accelerator="cpu", devices=2, precision="bf16-mixed")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with fabric.no_backward_sync(model, enabled=accumulating):
+        fabric.backward(model(x).loss / accumulation)
+    if not accumulating:
+        optimizer.step()
+
+`fabric.setup(model, optimizer)` applies ZeRO to the model in place and returns the optimizer the engine
+built on the ZeRO parameters (an LR scheduler passed as `scheduler=` is re-pointed at it).
+`fabric.backward` and `optimizer.step()` go to the engine: fp16 loss scaling, the overflow check and
+clipping by the config's `gradient_clipping` happen inside the step, so `fabric.clip_gradients` is refused.
+The loss is not divided by the accumulation steps (the script does it, as with any Fabric strategy).
+`fabric.save`/`fabric.load` write and read one sharded DCP directory per checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from ds_plugin.config import TrainingConfig
+from ds_plugin.strategies import _checkpoint, _config, _model
+from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
+from ds_plugin.strategies.registry import register_names
+from ds_plugin.zero.apply import is_zero_applied
+from ds_plugin.zero.engine import ZeroEngine, initialize
+from ds_plugin.zero.mesh import data_parallel_mesh
+
+__all__ = ["ZeroFabricStrategy"]
+
+
+class ZeroFabricStrategy(DDPStrategy, _BackwardSyncControl):
+    """DeepSpeed ZeRO stages 0-3 and ZeRO++ for `Fabric`; one trained model per strategy.
+
+    Processes, the process group, the sampler and the collectives are Fabric's DDP ones.
+
+    Args:
+        config: a preset name, a DeepSpeed .json/.yaml path, a dict, or a `TrainingConfig`.
+        block_types: module classes or names to shard separately; default the transformers models' blocks.
+        sync_module_states: start every rank from rank 0's weights, as DDP does.
+        process_group_backend: default "gloo" on CPU, "nccl" on CUDA.
+        timeout: the process group's timeout.
+        accelerator / parallel_devices / cluster_environment / checkpoint_io / precision: set by Fabric.
+        overrides: top-level DeepSpeed keys merged over `config`.
+    """
+
+    def __init__(
+        self,
+        config: _config.ConfigSource = "zero3",
+        *,
+        block_types: Any = None,
+        sync_module_states: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision: Any = None,
+        **overrides: Any,
+    ) -> None:
+        owner = "ZeroFabricStrategy"
+        self._config, self._explicit = _config.load_strategy_config(config, overrides, owner=owner, cls=type(self))
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._block_types = block_types
+        self._sync_module_states = sync_module_states
+        self._mesh: Any = None
+        self._engine: ZeroEngine | None = None
+        self._accumulating = False
+        self._backward_sync_control = self
+
+    @property
+    def config(self) -> TrainingConfig:
+        """The config: as given until `setup`, resolved after."""
+        return self._engine.config if self._engine is not None else self._config
+
+    @property
+    def engine(self) -> ZeroEngine:
+        """The `ZeroEngine` driving the model (after `fabric.setup`)."""
+        if self._engine is None:
+            raise RuntimeError("ZeroFabricStrategy.engine: call fabric.setup(model, optimizer) first")
+        return self._engine
+
+    @property
+    @override
+    def precision(self) -> ZeroPrecision:
+        if self._precision is None:
+            self._precision = ZeroPrecision()
+        return self._precision
+
+    @precision.setter
+    @override
+    def precision(self, precision: Any) -> None:
+        self._precision = None if precision is None else to_zero_precision(precision, "ZeroFabricStrategy")
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # DDP's: reset the seed, set the ranks, init the process group
+        self._mesh = data_parallel_mesh()
+
+    # ------------------------------------------------------------------ the model
+
+    def _engine_for(self, module: nn.Module, optimizer: Optimizer | None) -> ZeroEngine:
+        if self._engine is not None and self._engine.module is not module:
+            raise RuntimeError("ZeroFabricStrategy sets up one model; create another Fabric for a second one")
+        config = _config.resolve_config(
+            self._config,
+            self._explicit,
+            plugin=self.precision,
+            world_size=self.world_size,
+            ranks_per_node=self.num_processes,
+            owner=type(self).__name__,
+        )
+        # A user optimizer was built on the unsharded parameters: `initialize` applies ZeRO and maps it across.
+        applied = is_zero_applied(module)
+        meta = _model.prepare_model(
+            module, config, device=self.root_device, sync_module_states=self._sync_module_states
+        )
+        block_types = None if applied else _model.block_types_for(module, self._block_types)
+        self._engine = initialize(module, config, optimizer=optimizer, mesh=self._mesh, block_types=block_types)
+        if meta:
+            _model.materialize(module, self.root_device)
+        return self._engine
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise ValueError(f"ZeroFabricStrategy trains with one optimizer (as DeepSpeed); got {len(optimizers)}")
+        engine = self._engine_for(module, optimizers[0])
+        if scheduler is not None:
+            _model.repoint_scheduler(scheduler, engine.optimizer)
+        return module, [engine.optimizer], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._engine_for(module, None)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        # After `fabric.setup_module(model)`: an optimizer built on the ZeRO parameters (the meta-device route).
+        if self._engine is None:
+            raise RuntimeError(self._err_msg_joint_setup_required())
+        return self._engine_for(self._engine.module, optimizer).optimizer
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        if not _model.has_meta(module):  # `init_module(empty_init=True)`: materialised after sharding
+            module.to(self.root_device)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> Any:
+        # Meta-device parameters are materialised after sharding, so each rank allocates only its shards.
+        return torch.device("meta") if empty_init else self.root_device
+
+    def full_state_dict(self, module: nn.Module | None = None, *, trainable_only: bool = False) -> dict[str, Tensor]:
+        """The full weights as CPU tensors on rank 0 (empty dict elsewhere); every rank must call it.
+
+        Args:
+            module: a submodule of the model; keys are then relative to it.
+            trainable_only: only parameters that require grad.
+        """
+        return _checkpoint.full_state_dict(self.engine, module, trainable_only=trainable_only)
+
+    # ------------------------------------------------------------------ steps
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
+        return self._no_sync(enabled)
+
+    @contextmanager
+    def _no_sync(self, enabled: bool) -> Generator[None, None, None]:
+        previous, self._accumulating = self._accumulating, enabled
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        engine = self.engine
+        engine.set_gradient_accumulation_boundary(not self._accumulating)
+        engine.backward(tensor, retain_graph=bool(kwargs.get("retain_graph")), scale_wrt_gas=False)
+        if self._accumulating:
+            engine.step()  # counts the micro-step; the optimizer steps at the boundary
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        closure: Callable[[], Any] | None = kwargs.get("closure")
+        result = closure() if closure is not None else None
+        self.engine.step()
+        return result
+
+    @override
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float | int, *args: Any, **kw: Any
+    ) -> Tensor:
+        raise NotImplementedError(
+            "ZeroFabricStrategy clips inside optimizer.step() by the global norm; set gradient_clipping in the config"
+        )
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        raise NotImplementedError(
+            "ZeroFabricStrategy clips by the global norm (DeepSpeed's gradient_clipping), not by value"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _split(self, state: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+        engine = self.engine
+        plain: dict[str, Any] = {}
+        models, optims = [], []
+        for key, obj in state.items():
+            if obj is engine.module:
+                models.append(key)
+            elif obj is engine.optimizer and obj is not None:
+                optims.append(key)
+            else:
+                plain[key] = obj
+        return plain, models, optims
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: dict[str, Any] | None = None
+    ) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError("ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported")
+        plain, models, optims = self._split(state)
+        stateful = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in plain.items()}
+        engine = self.engine
+        _checkpoint.save_engine_checkpoint(
+            self.broadcast(str(path)),
+            engine,
+            model_state=engine.model_state_dict(),
+            optimizer_state=engine.optimizer_state_dict() if optims else None,
+            framework_state={"state": stateful, "model_keys": models, "optimizer_keys": optims},
+        )
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if isinstance(state, nn.Module):
+            state = {"model": state}
+        if not isinstance(state, dict) or not state:
+            raise ValueError(
+                "ZeroFabricStrategy.load_checkpoint: pass the objects to load into, e.g. "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer}); the checkpoint is sharded"
+            )
+        plain, _, optims = self._split(state)
+        saved = _checkpoint.load_engine_checkpoint(Path(self.broadcast(str(path))), self.engine, optimizer=bool(optims))
+        entries = dict(saved.get("state", {}))
+        missing = [k for k in plain if k not in entries]
+        if strict and missing:
+            raise KeyError(f"ZeroFabricStrategy.load_checkpoint: {missing[0]!r} is not in checkpoint {path}")
+        for key in plain:
+            if key not in entries:
+                continue
+            value = entries.pop(key)
+            if callable(getattr(state[key], "load_state_dict", None)):
+                state[key].load_state_dict(value)
+            else:
+                state[key] = value
+        return entries
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls)

@@ -1,0 +1,298 @@
+"""`ZeroStrategy`: DeepSpeed's ZeRO for the Lightning Trainer, on ds_plugin's FSDP2 engine.
+
+    import ds_plugin  # registers "zero0".."zero3", "zero3_offload", "zeropp"
+    Trainer(strategy="zeropp", accelerator="cpu", devices=2)
+    Trainer(strategy=ZeroStrategy("ds_config.json", gradient_clipping="auto"), precision="bf16-mixed")
+
+Processes, process group, sampler and collectives are DDP's (as for Lightning's DeepSpeed strategy); the rest
+maps Lightning's calls onto `ZeroEngine`. `setup` resolves the config's "auto" values from the Trainer, swaps in
+FP8 layers and shards the LightningModule with `apply_zero` (a meta-device model is then materialised shard by
+shard); `configure_optimizers` runs on the ZeRO parameters and the engine builds the optimizer it steps (LR
+schedulers follow). Steps run through the module's own call, so FSDP2's root hooks fire; backward and the step
+are the engine's (`ZeroPrecision`). A checkpoint is one sharded DCP directory with Lightning's state inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from typing_extensions import override
+
+from ds_plugin.config import AUTO, TrainingConfig
+from ds_plugin.strategies import _checkpoint, _config, _model
+from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
+from ds_plugin.strategies.registry import register_names
+from ds_plugin.zero.apply import apply_zero, is_zero_applied
+from ds_plugin.zero.engine import ZeroEngine, initialize
+from ds_plugin.zero.mesh import data_parallel_mesh
+
+__all__ = ["ZeroStrategy"]
+
+
+class ZeroStrategy(DDPStrategy):
+    """DeepSpeed ZeRO stages 0-3 and ZeRO++ for `Trainer`, configured by a DeepSpeed config.
+
+    Args:
+        config: a preset name ("zero3", "zeropp", ...), a DeepSpeed .json/.yaml path, a dict, or a
+            `TrainingConfig`; its "auto" values are resolved from the Trainer.
+        block_types: module classes or names to shard as separate units; default the transformers models'
+            `_no_split_modules`, else the repeated children of `nn.ModuleList`s.
+        sync_module_states: start every rank from rank 0's weights, as DDP does.
+        process_group_backend: default "gloo" on CPU, "nccl" on CUDA.
+        timeout: the process group's timeout.
+        accelerator / parallel_devices / cluster_environment / checkpoint_io / precision_plugin: as for any
+            Lightning strategy (the Trainer sets them).
+        overrides: top-level DeepSpeed keys merged over `config`, e.g. `gradient_clipping=0.5`,
+            `zero_optimization={"offload_optimizer": {"device": "cpu"}}`.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        config: _config.ConfigSource = "zero3",
+        *,
+        block_types: Any = None,
+        sync_module_states: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        **overrides: Any,
+    ) -> None:
+        self._config, self._explicit = _config.load_strategy_config(
+            config, overrides, owner="ZeroStrategy", cls=type(self)
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._block_types = block_types
+        self._sync_module_states = sync_module_states
+        self._mesh: Any = None
+        self._engine: ZeroEngine | None = None
+        self._accumulating = False
+
+    @property
+    def config(self) -> TrainingConfig:
+        """The config: as given until `setup`, resolved against the Trainer after."""
+        return self._engine.config if self._engine is not None else self._config
+
+    @property
+    def engine(self) -> ZeroEngine:
+        """The `ZeroEngine` driving the model (after `setup`)."""
+        if self._engine is None:
+            raise RuntimeError("ZeroStrategy.engine: the model is not set up yet; the Trainer sets it up in fit()")
+        return self._engine
+
+    @property
+    @override
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Any) -> None:
+        self._precision_plugin = None if plugin is None else to_zero_precision(plugin, "ZeroStrategy")
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the checkpoint loads into the sharded model and the engine's optimizer
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint already restored it
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # DDP's: reset the seed, set the ranks, init the process group
+        self._mesh = data_parallel_mesh()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._mesh  # `self.device_mesh` in configure_model
+
+    def _resolve(self, trainer: pl.Trainer) -> TrainingConfig:
+        config, micro = self._config, None
+        if config.train_micro_batch_size_per_gpu == AUTO or config.train_batch_size not in (None, AUTO):
+            source = trainer.fit_loop._data_source  # the train dataloader, as Lightning's DeepSpeed strategy reads it
+            micro = _config.batch_size(source.dataloader()) if source.is_defined() else None
+        return _config.resolve_config(
+            config,
+            self._explicit,
+            plugin=self.precision_plugin,
+            world_size=self.world_size,
+            ranks_per_node=self.num_processes,
+            owner=type(self).__name__,
+            micro_batch_size=micro,
+            accumulation=trainer.accumulate_grad_batches,
+            clip=trainer.gradient_clip_val,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self.precision_plugin.check_clipping(trainer)
+        config = self._resolve(trainer)
+        if config.ignored_keys():
+            rank_zero_info(f"ZeroStrategy: config keys without effect here: {', '.join(config.ignored_keys())}")
+        applied = is_zero_applied(module)  # by `configure_model`, or by an earlier fit/validate of this Trainer
+        meta = _model.prepare_model(
+            module, config, device=self.root_device, sync_module_states=self._sync_module_states
+        )
+        if not applied:
+            apply_zero(module, config, mesh=self._mesh, block_types=_model.block_types_for(module, self._block_types))
+        if meta:
+            _model.materialize(module, self.root_device)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module) if fitting else ([], [])
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"ZeroStrategy trains one optimizer (as DeepSpeed); configure_optimizers gave {len(optimizers)}"
+            )
+        self._engine = initialize(module, config, optimizer=optimizers[0] if optimizers else None, mesh=self._mesh)
+        for scheduler_config in schedulers:
+            _model.repoint_scheduler(scheduler_config.scheduler, self._engine.optimizer)
+        self.model = module
+        self.optimizers = [self._engine.optimizer] if optimizers else []
+        self.lr_scheduler_configs = schedulers
+        self.setup_precision_plugin()
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # `setup` builds the optimizer with the engine; nothing else may build one on the unsharded model.
+        pass
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Meta-device parameters are materialised after sharding, so each rank allocates only its shards.
+        with torch.device("meta") if empty_init else self.root_device:
+            yield
+
+    def full_state_dict(self, module: nn.Module | None = None, *, trainable_only: bool = False) -> dict[str, Tensor]:
+        """The full (unsharded) weights as CPU tensors on rank 0 (empty dict elsewhere); every rank must call it.
+
+        Args:
+            module: a submodule of the LightningModule (e.g. a peft model); keys are then relative to it.
+            trainable_only: only parameters that require grad (a LoRA adapter's weights).
+        """
+        return _checkpoint.full_state_dict(self.engine, module, trainable_only=trainable_only)
+
+    def _redirect(self, context: Any, method: str, args: tuple, kwargs: dict) -> Any:
+        # Through the module's own call, so FSDP2's root hooks (gather, input cast) run around the step.
+        with context():
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._redirect(self.precision_plugin.train_step_context, "training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._redirect(self.precision_plugin.val_step_context, "validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._redirect(self.precision_plugin.test_step_context, "test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._redirect(self.precision_plugin.predict_step_context, "predict_step", args, kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this for accumulation micro-batches; the engine then keeps their gradients local.
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self.engine.set_gradient_accumulation_boundary(not self._accumulating)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._accumulating:
+            self.engine.step()  # counts the micro-step; the optimizer steps at the boundary
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.engine.model_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self.engine.optimizer_state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint: storage_options is not supported (the checkpoint is DCP)")
+        path = self.broadcast(str(filepath))
+        model_state = checkpoint.pop("state_dict")
+        optimizer_states = checkpoint.pop("optimizer_states", None) or [None]
+        _checkpoint.save_engine_checkpoint(
+            path, self.engine, model_state=model_state, optimizer_state=optimizer_states[0], framework_state=checkpoint
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return _checkpoint.load_engine_checkpoint(path, self.engine, optimizer=fitting)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint already loaded the weights
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # load_checkpoint already loaded the optimizer
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            _checkpoint.remove_checkpoint(filepath)
+
+    @override
+    def teardown(self) -> None:
+        # The sharded model stays where it is (moving DTensors to CPU would gather nothing but cost time).
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls)

@@ -1,0 +1,40 @@
+"""`plugins=Fp8Precision()` with `ZeroStrategy` on one CPU rank: a model with eligible linears trains with FP8
+layers swapped in; a model without any (features not multiples of 16) fails setup with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+from _tiny_lightning import LossRecorder, TinyMLP, regression_loader, run, trainer
+
+from ds_plugin.precision.fp8_linear import Fp8Linear
+from ds_plugin.strategies import Fp8Precision
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    module = TinyMLP(width=16)
+    recorder = LossRecorder()
+    t = trainer("zero3", devices=1, max_steps=3, plugins=Fp8Precision(), callbacks=[recorder])
+    t.fit(module, regression_loader())
+    cfg = t.strategy.config
+    out: dict[str, Any] = {
+        "losses": recorder.losses,
+        "finite": all(math.isfinite(x) for x in recorder.losses),
+        "fp8_layers": sum(isinstance(m, Fp8Linear) for m in module.modules()),
+        "fp8": {"enabled": cfg.fp8.enabled, "recipe": cfg.fp8.recipe},
+        "compute_dtype": cfg.compute_dtype,
+    }
+    try:
+        trainer("zero3", devices=1, max_steps=1, plugins=Fp8Precision()).fit(TinyMLP(width=10), regression_loader())
+    except ValueError as e:
+        out["no_eligible_error"] = str(e)
+    return out
+
+
+if __name__ == "__main__":
+    run(main)

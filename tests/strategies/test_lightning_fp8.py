@@ -1,0 +1,29 @@
+"""`plugins=Fp8Precision()` with `ZeroStrategy` (one CPU rank, in a subprocess): FP8 layers train, and a model
+without eligible layers fails with one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _launch import run_script
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fp8() -> dict:
+    return run_script("fp8_single.py", timeout=180)
+
+
+def test_fp8_plugin_swaps_layers_and_trains(fp8: dict) -> None:
+    assert fp8["fp8"] == {"enabled": True, "recipe": "tensorwise"}
+    assert fp8["compute_dtype"] == "bf16"
+    assert fp8["fp8_layers"] == 3  # the three 16x16 blocks; the 16->1 head is not aligned
+    assert fp8["finite"] and len(fp8["losses"]) == 3
+
+
+def test_fp8_without_eligible_layers_is_one_line(fp8: dict) -> None:
+    message = fp8["no_eligible_error"]
+    assert "\n" not in message
+    assert message.startswith("Fp8Precision: no nn.Linear in TinyMLP is eligible")
+    assert "multiples of 16" in message

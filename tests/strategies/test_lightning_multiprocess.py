@@ -1,0 +1,162 @@
+"""`Trainer(strategy=...)` and `Fabric(strategy=...)` on 2 CPU ranks (gloo): one killed run, then one launch of
+scripts/suite.py whose parts the tests below read (see the scripts for what each part does).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _launch import clean_env, run_script
+
+pytestmark = pytest.mark.slow
+
+REL = 1e-5  # fp32 per-step losses against strategy="ddp"
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("killed")
+    result = run_script("resume.py", "--mode", "kill", workdir=workdir, timeout=240, expect_result=False)
+    assert result["returncode"] != 0, "the run was meant to be killed"
+    assert (workdir / "ckpt" / "last.ckpt" / "ds_plugin_checkpoint.json").is_file(), result["output"][-3000:]
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def suite(killed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    workdir = tmp_path_factory.mktemp("suite")
+    result = run_script("suite.py", "--killed", str(killed), workdir=workdir, timeout=420)
+    result["workdir"] = workdir
+    return result
+
+
+def part(suite: dict[str, Any], name: str) -> dict[str, Any]:
+    result = suite[name]
+    if "error" in result:
+        pytest.fail(f"suite part {name!r} failed:\n{result['error']}", pytrace=False)
+    return result
+
+
+def assert_close(losses: list[float], reference: list[float], rel: float) -> None:
+    assert len(losses) == len(reference) > 0
+    for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
+        assert a == pytest.approx(b, rel=rel), f"step {step}: {a} vs {b} ({losses} vs {reference})"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_fp32_losses_match_ddp(suite: dict[str, Any], kind: str, strategy: str) -> None:
+    losses = part(suite, "parity")["parity"][kind]
+    assert_close(losses[strategy], losses["ddp"], REL)
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero3_offload"])
+def test_names_with_accumulation_and_clipping_match_ddp(suite: dict[str, Any], name: str) -> None:
+    names = part(suite, "parity")["names"]
+    assert_close(names[name]["losses"], names["ddp"]["losses"], REL)
+    cfg = names[name]["config"]
+    assert cfg["gradient_accumulation_steps"] == 2 and cfg["gradient_clipping"] == 0.05
+    assert (cfg["engine_global_steps"], cfg["engine_micro_steps"]) == (3, 6)
+
+
+def test_zeropp_fits_with_hpz_resolved_to_ranks_per_node(suite: dict[str, Any]) -> None:
+    names = part(suite, "parity")["names"]
+    cfg = names["zeropp"]["config"]
+    assert cfg["stage"] == 3 and cfg["hpz"] == 2
+    # qwZ/qgZ quantize the collectives: close to DDP, not bit-equal.
+    assert_close(names["zeropp"]["losses"], names["ddp"]["losses"], rel=5e-2)
+    assert names["zeropp"]["losses"] != names["ddp"]["losses"]
+
+
+def test_bf16_mixed_sets_the_bf16_block(suite: dict[str, Any]) -> None:
+    bf16 = part(suite, "parity")["bf16"]
+    assert bf16["config"]["compute_dtype"] == "bf16"
+    assert_close(bf16["losses"], bf16["fp32"], rel=1e-2)
+
+
+def test_sharded_initialisation_in_configure_model(suite: dict[str, Any]) -> None:
+    meta = part(suite, "parity")["meta_init"]
+    assert meta["losses"][0] == pytest.approx(4.85, abs=0.1)  # ln(128): a properly initialised LM
+    assert meta["wte_std"] == pytest.approx(0.02, rel=0.2)  # GPT-2's initializer_range, not garbage
+    assert meta["ln_weight"] == pytest.approx(1.0, abs=1e-2)  # LayerNorm weights start at one
+
+
+def test_strategy_collectives(suite: dict[str, Any]) -> None:
+    c = part(suite, "parity")["collectives"]
+    assert c["reduce_sum"] == 3.0 and c["reduce_mean"] == 1.5
+    assert c["all_gather"] == [1.0, 2.0]
+    assert c["broadcast"] == {"from": 0}
+    assert c["any"] is True and c["all"] is False
+
+
+def test_lora_zeropp_adapter_reloads(suite: dict[str, Any]) -> None:
+    lora = part(suite, "lora")
+    assert (lora["stage"], lora["hpz"], lora["qwz"], lora["qgz"]) == (3, 2, True, True)
+    assert len(lora["adapter_keys"]) == 4 and all("lora_" in k for k in lora["adapter_keys"])
+    assert "adapter_model.safetensors" in lora["files"]
+    assert lora["lora_b_max"] > 0  # LoRA B starts at zero: it trained
+    assert lora["base_changed"] == 0.0  # the frozen base did not move
+    assert lora["reloaded_adapter_diff"] == 0.0
+    assert lora["logits_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_fabric_losses_match_ddp(suite: dict[str, Any], strategy: str) -> None:
+    losses = part(suite, "fabric")["losses"]
+    assert_close(losses[strategy], losses["ddp"], REL)
+
+
+def test_fabric_save_load_across_stages(suite: dict[str, Any]) -> None:
+    f = part(suite, "fabric")
+    assert f["engine_steps"] == [3, 6]
+    assert f["weights_diff"] == 0.0
+    assert f["step"] == 6 and f["remainder"] == {"note": "hello"}
+    assert f["scheduler_epoch"][0] == f["scheduler_epoch"][1] and f["lr"][0] == f["lr"][1]
+    assert f["optimizer_steps"] == [3, 3]
+    assert "gradient_clipping" in f["clip_error"]
+
+
+def test_fabric_sharded_initialisation(suite: dict[str, Any]) -> None:
+    meta = part(suite, "fabric")["meta_init"]
+    assert meta["built_on_meta"] and len(meta["losses"]) == 2
+    assert all(0 < x < 10 for x in meta["losses"])
+    assert 0.05 < meta["weight_std"] < 1.0  # nn.Linear's reset_parameters, not uninitialised memory
+
+
+def test_resume_last_after_kill_matches_uninterrupted(suite: dict[str, Any]) -> None:
+    r = part(suite, "resume")
+    assert r["resumed_batches"] == 4 < r["full_batches"] == 12  # it resumed, it did not start over
+    assert r["resumed_step"] == r["full_step"] == r["resumed_engine_steps"] == 6
+    assert r["resumed_lr"] == r["full_lr"]
+    assert r["changed"] > 0 and r["resume_diff"] == 0.0
+    assert r["zero1_resumed_batches"] == 4 and r["zero1_resume_diff"] == 0.0
+    assert r["cross_stage_diff"] == 0.0 and r["validate"][0]["val_loss"] > 0
+
+
+def test_ds_plugin_export_converts_a_trainer_checkpoint(suite: dict[str, Any], tmp_path: Path) -> None:
+    r = part(suite, "resume")
+    script = Path(sys.executable).parent / "ds-plugin"  # the installed console script
+    cmd = (
+        [str(script)]
+        if script.is_file()
+        else [sys.executable, "-c", "from ds_plugin.cli import main; raise SystemExit(main())"]
+    )
+    done = subprocess.run(
+        [*cmd, "export", r["final_ckpt"], str(tmp_path)], env=clean_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "config.json" in done.stdout
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    expected = load_file(suite["workdir"] / "resumed.safetensors")
+    state = model.state_dict()
+    assert set(state) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0)
