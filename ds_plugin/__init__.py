@@ -27,6 +27,8 @@ def load_config(config: str | os.PathLike | Mapping[str, Any] | TrainingConfig) 
     """
     if isinstance(config, str) and config in PRESETS:
         return get_preset(config)
+    if isinstance(config, str) and not os.path.splitext(config)[1] and not os.path.exists(config):
+        return get_preset(config)  # no suffix and no such file: a preset name, maybe mistyped ("did you mean")
     return from_deepspeed(config)
 
 

@@ -225,29 +225,39 @@ def scaled_mm_emulated(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype = torc
     return torch.mm(a.dequantize(), b.dequantize()).to(out_dtype)
 
 
-def _scaling_kind(q: ScaledFp8, lhs: bool) -> str | None:
+def _kinds(q: ScaledFp8, lhs: bool) -> set[str]:
+    # Every _scaled_mm scaling a tile shape matches: at K == 128 a rowwise tile is also a 1×128 tile, and the
+    # pairing decides which one the kernel gets.
     rows, cols = q.data.shape
-    br, bc = q.block
-    if q.scale.numel() == 1 and (br, bc) == (rows, cols):
-        return "tensor"
+    block = q.block
+    kinds = set()
+    if q.scale.numel() == 1 and block == (rows, cols):
+        kinds.add("tensor")
     # Rowwise: one scale per row of the lhs / per column of the rhs, i.e. along the non-contracted dim.
-    if (lhs and (br, bc) == (1, cols)) or (not lhs and (br, bc) == (rows, 1)):
-        return "row"
-    # Contraction-dim tiles of 128 for the lhs are (1, 128); for the rhs (K, N) they are (128, 1).
-    if (lhs and (br, bc) == (1, BLOCK)) or (not lhs and (br, bc) == (BLOCK, 1)):
-        return "1x128"
-    if (br, bc) == (BLOCK, BLOCK):
-        return "128x128"
-    return None
+    if block == ((1, cols) if lhs else (rows, 1)):
+        kinds.add("row")
+    # Tiles of 128 along the contracted dim: (1, 128) for the lhs (M, K), (128, 1) for the rhs (K, N).
+    if block == ((1, BLOCK) if lhs else (BLOCK, 1)):
+        kinds.add("1x128")
+    if block == (BLOCK, BLOCK):
+        kinds.add("128x128")
+    return kinds
 
 
-def _hardware_scales(
-    a: ScaledFp8, b: ScaledFp8, kinds: tuple[str | None, str | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
+# The pairings _scaled_mm implements, in order of preference.
+_PAIRINGS = (("tensor", "tensor"), ("row", "row"), ("1x128", "128x128"), ("1x128", "1x128"), ("128x128", "1x128"))
+
+
+def _pick_kinds(a: ScaledFp8, b: ScaledFp8) -> tuple[str, str] | None:
+    ka, kb = _kinds(a, lhs=True), _kinds(b, lhs=False)
+    return next(((x, y) for x, y in _PAIRINGS if x in ka and y in kb), None)
+
+
+def _hardware_scales(a: ScaledFp8, b: ScaledFp8, kinds: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     # _scaled_mm's layouts (torch's ScaledBlas.cpp): tensorwise scalars; rowwise (M,1) and (1,N) contiguous;
     # a 1×128 lhs scale is (M, K/128) stored K-outer (stride (1, M)); a 128×128 lhs scale is row-major. The rhs is
     # checked through b.t(), so its scale must be the transpose of the layout the lhs rule asks for.
-    def lhs_layout(scale: torch.Tensor, kind: str | None) -> torch.Tensor:
+    def lhs_layout(scale: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "tensor":
             return scale.reshape(()).contiguous()
         if kind == "1x128":
@@ -259,24 +269,24 @@ def _hardware_scales(
     return sa, (sb if kinds[1] == "tensor" else sb.t())
 
 
-def _hardware_ok(a: ScaledFp8, b: ScaledFp8, kinds: tuple[str | None, str | None]) -> bool:
+def _hardware_ok(a: ScaledFp8, b: ScaledFp8, kinds: tuple[str, str] | None) -> bool:
     dev = a.data.device
-    if dev.type != "cuda" or b.data.device != dev or None in kinds:
+    if kinds is None or dev.type != "cuda" or b.data.device != dev:
         return False
-    major, minor = torch.cuda.get_device_capability(dev)
-    blockwise = kinds[0] in ("1x128", "128x128") or kinds[1] in ("1x128", "128x128")
-    if blockwise:
-        if (major, minor) < (9, 0) or kinds not in {("1x128", "128x128"), ("1x128", "1x128"), ("128x128", "1x128")}:
-            return False
-    elif (major, minor) < (8, 9) or kinds[0] != kinds[1]:
+    blockwise = kinds[0] not in ("tensor", "row")
+    # fp8 tensor cores: sm89 (Ada) and sm90 (Hopper) for tensorwise/rowwise; cuBLAS blockwise scaling is sm90+.
+    if torch.cuda.get_device_capability(dev) < ((9, 0) if blockwise else (8, 9)):
         return False
-    # cuBLAS has no e5m2 × e5m2 kernel, and needs K and N (and blockwise M) multiples of 16 / 128.
+    # cuBLAS has no e5m2 × e5m2 kernel.
     if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
         return False
+    # _scaled_mm needs K and N multiples of 16; blockwise is only taken on whole 128-tiles (a ragged token count
+    # in the wgrad GEMM is K there), anything else is emulated.
     m, k = a.data.shape
     n = b.data.shape[1]
-    align = BLOCK if blockwise else 16
-    return k % align == 0 and n % 16 == 0 and (not blockwise or (m % BLOCK == 0 and n % BLOCK == 0))
+    if blockwise:
+        return m % BLOCK == 0 and k % BLOCK == 0 and n % BLOCK == 0
+    return k % 16 == 0 and n % 16 == 0
 
 
 # (device index, kinds, dtypes, out dtype) combinations whose kernel raised once: emulate them from then on.
@@ -291,8 +301,8 @@ def scaled_mm(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype = torch.float32
         b: (K, N) operand, e.g. ``quantize_weight(w, recipe).t()``.
         out_dtype: dtype of the result.
     """
-    kinds = (_scaling_kind(a, lhs=True), _scaling_kind(b, lhs=False))
-    if not _hardware_ok(a, b, kinds):
+    kinds = _pick_kinds(a, b)
+    if kinds is None or not _hardware_ok(a, b, kinds):
         return scaled_mm_emulated(a, b, out_dtype)
     # CUTLASS's rowwise kernel only writes bf16 (cuBLAS fp32 output needs sm90 + cuBLAS 12.9), so rowwise asks
     # for bf16 and upcasts: the precision of a bf16-rounded fp32 accumulator.

@@ -64,8 +64,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     dW = dyᵀ·x  dy, x one scale each       dy per column (N), x per col (K)    dy, x 128×1 along M (tokens)
     ==========  =========================  ==================================  ===============================
 
-    128×128 weight blocks are square, so the forward quantization of W serves dgrad's Wᵀ unchanged, which is why
-    DeepSeek-V3 chose them. Rowwise W and all wgrad operands need a second quantization along the other axis.
+    128×128 weight blocks are square, so one quantization of W serves both the forward GEMM and dgrad's Wᵀ (a
+    reason DeepSeek-V3 gives for them). Rowwise W and all wgrad operands need a quantization along the other axis.
     """
 
     @staticmethod

@@ -68,6 +68,11 @@ def _check_model(model: nn.Module, stage: int) -> None:
         )
     if is_zero_applied(model):
         raise ZeroSetupError(f"{type(model).__name__} already went through apply_zero/fully_shard; apply it once")
+    if stage < 2 and any(p.is_meta for p in model.parameters()):
+        raise ZeroSetupError(
+            f"stage {stage} keeps whole parameters on every rank, so they cannot stay on the meta device; "
+            "materialize the model first (init_sharded does it for you)"
+        )
     if stage >= 2:
         scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
         if scalars:
@@ -111,7 +116,10 @@ def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: l
     # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
     for block in blocks:
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root stays gathered after forward: backward needs it first, so freeing it would only re-gather it
+    # (DESIGN.md measured this faster). torch >= 2.13 applies that heuristic only when the value is left unset,
+    # so it is said explicitly.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
     install_zeropp(model, config, mesh)
 

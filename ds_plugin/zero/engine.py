@@ -31,11 +31,13 @@ from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
 from ds_plugin.zero.apply import apply_zero, is_zero_applied
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, torch_dtype
 from ds_plugin.zero.optimizer import (
+    LocalShards,
     OptimizerSpec,
     build_optimizer,
     clip_grad_norm_,
     load_named_optimizer_state_dict,
     named_optimizer_state_dict,
+    needs_local_shards,
 )
 from ds_plugin.zero.stage1 import replicated_state
 from ds_plugin.zero.wrap import BlockTypes
@@ -91,6 +93,8 @@ class ZeroEngine:
         self.config = config = from_deepspeed(config)
         self.stage = config.stage
         self._replicated = replicated_state(module)
+        # Walking an FSDP2 module's parameters costs ~0.3 ms; the objects stay the same, so walk once.
+        self._params = self._replicated.masters if self._replicated else list(module.parameters())
         self.mesh = mesh or self._model_mesh()
         self.group = self.mesh.get_group()
         self.gradient_accumulation_steps = int(
@@ -109,10 +113,12 @@ class ZeroEngine:
         # reducing every micro-step into the fp32 sharded gradients instead (DeepSpeed's ZeRO-2/3 behaviour).
         wider = torch_dtype(config.grad_accum_dtype).itemsize > torch_dtype(config.reduce_dtype).itemsize
         self._sync_every_micro_step = self._replicated is None and wider
-        self.optimizer = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._local_shards: LocalShards | None = None
+        self._creating_state = False
         if optimizer is not None:
-            replacement = self._replicated.master_of() if self._replicated else {}
-            self.optimizer = build_optimizer(optimizer, self.trainable_parameters(), replacement)
+            own = {id(p): p for p in self.module.parameters()}
+            self._set_optimizer(optimizer, self._replicated.master_of() if self._replicated else own)
 
     # ------------------------------------------------------------------ what the engine holds
 
@@ -122,10 +128,37 @@ class ZeroEngine:
         p = next(p for p in self.module.parameters() if isinstance(p, DTensor))
         return p.device_mesh
 
+    def _set_optimizer(self, spec: OptimizerSpec, replacement: dict[int, nn.Parameter]) -> None:
+        params = self.trainable_parameters()
+        optimizer = build_optimizer(spec, params, replacement)
+        if needs_local_shards(optimizer):
+            # Its kernels take no DTensors: rebuild it (same class, groups, settings) on plain local shards.
+            self._local_shards = LocalShards(params)
+            optimizer = build_optimizer(
+                optimizer, [local for _, local in self._local_shards.pairs], self._local_shards.replacement()
+            )
+            logger.info("%s steps the local shards as plain tensors", type(optimizer).__name__)
+        optimizer.register_step_pre_hook(self._before_optimizer_step)
+        optimizer.register_step_post_hook(self._after_optimizer_step)
+        self.optimizer = optimizer
+
+    # Hooks rather than code in step(), so a framework calling `engine.optimizer.step()` itself still gets the
+    # stage 0/1 reduction and parameter sync (FSDP2 needs neither: its hooks already reduced the gradients).
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._creating_state:
+            return
+        if self._replicated is not None and self._replicated.has_gradients():
+            self._replicated.reduce_gradients()
+        if self._local_shards is not None:
+            self._local_shards.bind()
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._replicated is not None and not self._creating_state:
+            self._replicated.sync_params()
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The fp32 master parameters the optimizer steps (DTensors), in the model's parameter order."""
-        params = self._replicated.masters if self._replicated else list(self.module.parameters())
-        return [p for p in params if p.requires_grad]
+        return [p for p in self._params if p.requires_grad]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -215,7 +248,7 @@ class ZeroEngine:
             raise ZeroSetupError("step: the engine has no optimizer; pass one to initialize(..., optimizer=...)")
         if self._replicated is not None and self._replicated.has_gradients():
             self._replicated.reduce_gradients()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self.trainable_parameters()
         if self.loss_scaler is not None:
             used_scale = self.loss_scaler.scale
             overflow = found_overflow((p.grad for p in params), group=self.group)
@@ -231,19 +264,17 @@ class ZeroEngine:
         if self.gradient_clipping > 0:
             self.last_grad_norm = clip_grad_norm_(params, self.gradient_clipping, group=self.group)
         self.optimizer.step()
-        if self._replicated is not None:
-            self._replicated.sync_params()
         self.zero_grad()
         return True
 
     def zero_grad(self) -> None:
         """Drop every gradient: the optimizer's, the model's and any accumulation buffer."""
         if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)  # local stand-ins too, when there are any
+        for p in self.trainable_parameters():
+            p.grad = None
         if self._replicated is not None:
             self._replicated.zero_compute_grads()
-        else:
-            self.module.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ state dicts
 
@@ -277,9 +308,19 @@ class ZeroEngine:
         """The optimizer state keyed by parameter names, `Shard(0)` DTensors (creates the state if needed)."""
         if self.optimizer is None:
             raise ZeroSetupError("optimizer_state_dict: the engine has no optimizer")
-        if self._replicated is not None:
+        if self._local_shards is not None:
+            raise ZeroSetupError(
+                f"optimizer_state_dict: {type(self.optimizer).__name__} quantizes its state per local shard, which "
+                "cannot be resharded; checkpoint the model weights only, or use a torch.optim optimizer"
+            )
+        if self._replicated is None:
+            return get_optimizer_state_dict(self.module, self.optimizer)
+        # Creating missing state steps with zero gradients: keep pending gradients out of it.
+        self._creating_state = True
+        try:
             return named_optimizer_state_dict(self.optimizer, self._names(), self._replicated.export)
-        return get_optimizer_state_dict(self.module, self.optimizer)
+        finally:
+            self._creating_state = False
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load optimizer state saved by `optimizer_state_dict` at any stage or world size.
@@ -346,6 +387,7 @@ def initialize(
             replacement = engine._replicated.master_of()
         else:
             new = dict(model.named_parameters())
-            replacement = {pid: new[name] for pid, name in originals.items() if name in new}
-        engine.optimizer = build_optimizer(optimizer, engine.trainable_parameters(), replacement)
+            replacement = {id(p): p for p in new.values()}
+            replacement.update({pid: new[name] for pid, name in originals.items() if name in new})
+        engine._set_optimizer(optimizer, replacement)
     return engine

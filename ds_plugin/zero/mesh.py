@@ -17,7 +17,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ds_plugin.config import ConfigError, TrainingConfig
 
-__all__ = ["ZeroSetupError", "data_parallel_mesh", "mesh_device", "reshard_after_forward", "torch_dtype"]
+__all__ = [
+    "ZeroSetupError",
+    "data_parallel_mesh",
+    "mesh_device",
+    "reshard_after_forward",
+    "resolve_for_world",
+    "torch_dtype",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,14 @@ from torch.distributed.tensor import DTensor, Shard
 from ds_plugin.zero.mesh import ZeroSetupError
 
 __all__ = [
+    "LocalShards",
     "OptimizerSpec",
     "build_optimizer",
     "clip_grad_norm_",
     "init_optimizer_state",
     "load_named_optimizer_state_dict",
     "named_optimizer_state_dict",
+    "needs_local_shards",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement
             model's parameters (rebuilt: same class, same param groups and hyper-parameters; it must not have
             stepped yet, and is emptied so it cannot keep the unsharded weights alive).
         params: the trainable ZeRO parameters (what the optimizer steps).
-        replacement: id(original parameter) -> its ZeRO parameter.
+        replacement: id(original parameter) -> its ZeRO parameter (frozen ones included).
 
     Raises:
         ZeroSetupError: the optimizer holds state already, or a parameter that is not the model's.
@@ -53,7 +55,7 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement
         if not callable(spec):
             raise ZeroSetupError(f"optimizer: {type(spec).__name__} is neither a torch optimizer nor a factory")
         return spec(params)
-    own = {id(p) for p in params}
+    own = {id(p) for p in params} | {id(p) for p in replacement.values()}
     if all(id(p) in own for g in spec.param_groups for p in g["params"]):
         return spec  # already built on the ZeRO parameters
     if spec.state:
@@ -73,11 +75,47 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement
         groups.append({**hyper, "params": [replacement[id(p)] for p in group["params"]]})
     accepted = inspect.signature(type(spec).__init__).parameters
     kwargs = {k: v for k, v in spec.defaults.items() if k in accepted}
+    if "args" in accepted and hasattr(spec, "args"):
+        kwargs["args"] = spec.args  # bitsandbytes keeps optim_bits, min_8bit_size, ... there, not in defaults
     rebuilt = type(spec)(groups, **kwargs)
     for group in spec.param_groups:
         group["params"] = []
     logger.debug("rebuilt %s over %d ZeRO parameters", type(spec).__name__, len(params))
     return rebuilt
+
+
+def needs_local_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether an optimizer must see plain local tensors: its kernels have no DTensor rule (bitsandbytes).
+
+    Args:
+        optimizer: the optimizer built on the ZeRO parameters.
+    """
+    return type(optimizer).__module__.split(".")[0] == "bitsandbytes"
+
+
+class LocalShards:
+    """Plain-tensor stand-ins for DTensor parameters, for optimizers that cannot take DTensors.
+
+    The stand-ins are re-pointed at the current local shards (FSDP2 may re-allocate them, e.g. at lazy init)
+    and given the local gradient shards right before each step. Only element-wise optimizers give the
+    unsharded result this way: the optimizer sees one shard, not the whole tensor.
+
+    Args:
+        params: the trainable ZeRO (DTensor) parameters.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.pairs = [(p, nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)) for p in params]
+
+    def replacement(self) -> dict[int, nn.Parameter]:
+        """id(ZeRO parameter) -> its local stand-in."""
+        return {id(p): local for p, local in self.pairs}
+
+    def bind(self) -> None:
+        """Point each stand-in at its parameter's local shard and local gradient."""
+        for p, local in self.pairs:
+            local.data = p.to_local()
+            local.grad = None if p.grad is None else _local(p.grad)[0]
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:

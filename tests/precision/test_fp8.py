@@ -214,6 +214,20 @@ def test_blockwise_hardware_scale_layouts() -> None:
     assert torch.equal(sa, dy.scale) and torch.equal(sb, x.scale)
 
 
+def test_scaling_pairing_per_gemm() -> None:
+    x, w = torch.randn(256, 128), torch.randn(384, 128)
+    pick = fp8_mod._pick_kinds
+    assert pick(quantize_activation(x, "tensorwise"), quantize_weight(w, "tensorwise").t()) == ("tensor", "tensor")
+    assert pick(quantize_activation(x, "rowwise"), quantize_weight(w, "rowwise").t()) == ("row", "row")
+    # K == 128: a 1x128 activation tile is also a whole row; the pairing with 128x128 weights must still be found.
+    assert pick(quantize_activation(x, "blockwise"), quantize_weight(w, "blockwise").t()) == ("1x128", "128x128")
+    dy = torch.randn(256, 384)
+    dgrad = pick(quantize_blocks(dy, (1, 128)), quantize_weight(w, "blockwise"))
+    wgrad = pick(quantize_blocks(dy, (128, 1)).t(), quantize_blocks(x, (128, 1)))
+    assert dgrad == ("1x128", "128x128") and wgrad == ("1x128", "1x128")
+    assert pick(quantize_blocks(x, (1, 64)), quantize_weight(w, "blockwise").t()) is None
+
+
 # ----------------------------------------------------------------------------------------------- Fp8Linear
 
 

@@ -101,5 +101,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, timeout: float = 180.0
         missing = [r for r in range(world_size) if r not in results]
         if missing:
             codes = {r: procs[r].exitcode for r in missing}
-            raise RuntimeError(f"ranks {missing} of {world_size} returned nothing (exit codes {codes}; timeout {timeout}s)")
+            raise RuntimeError(
+                f"ranks {missing} of {world_size} returned nothing (exit codes {codes}; timeout {timeout}s)"
+            )
         return [results[r][1] for r in range(world_size)]
