@@ -1,0 +1,375 @@
+"""`ds-plugin bench peers`: step time, peak RSS and loss of ds_plugin's ZeRO next to DDP, raw FSDP2 and DeepSpeed.
+
+Every run trains the same GPT-2 (n_layer=4, n_embd=256, n_head=4, GPT-2's vocabulary, dropout off; 16.3M
+parameters) from the same weights on the same batches (seq 128, micro-batch 4 per rank) with
+torch.optim.AdamW, on 2 gloo ranks of one thread each, in bf16 and in fp32:
+- ddp: DistributedDataParallel; bf16 = autocast over fp32 weights (gradients reduced in fp32).
+- fsdp2: fully_shard per block, then the root, FSDP2's defaults (root kept unsharded after forward);
+  bf16 = MixedPrecisionPolicy(param_dtype=bf16), which also reduces in bf16.
+- ds_plugin_zero1/2/3: `ds_plugin.initialize` with `"bf16": {"enabled": ...}` (bf16 compute and reduce).
+- deepspeed_zero1/2/3: DeepSpeed's engine with the same JSON keys, when `deepspeed` is importable.
+
+Each (config, dtype) runs in fresh processes, so peak RSS (`getrusage` maxrss, max over ranks) is its own.
+A run is `warmup` untimed steps then `steps` timed ones (forward, backward, optimizer step; a step's time is
+the slowest rank's); repetitions go in alternating order so background load on a shared machine falls on
+every config alike. Reported: the median step time over all timed steps of all repetitions, each
+repetition's median, the peak RSS, and the loss of the last step averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ds_plugin.bench._deepspeed_peer import deepspeed_env, deepspeed_version
+from ds_plugin.launch import run_ranks
+
+__all__ = ["NAMES", "main", "run"]
+
+NAMES = (
+    "ddp",
+    "fsdp2",
+    "ds_plugin_zero1",
+    "ds_plugin_zero2",
+    "ds_plugin_zero3",
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+)
+DTYPES = ("bf16", "fp32")
+WORLD = 2
+SEQ = 128
+MICRO_BATCH = 4
+LR = 1e-3
+MODEL = {"n_layer": 4, "n_embd": 256, "n_head": 4}
+
+
+def _model() -> torch.nn.Module:
+    import warnings
+
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    warnings.simplefilter("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    # Dropout off: every framework then computes the same function, so fp32 losses can be compared.
+    return GPT2LMHeadModel(GPT2Config(**MODEL, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _batch(step: int, rank: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    return torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=gen)
+
+
+def _ddp_step(model: torch.nn.Module, bf16: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
+            loss = ddp(x, labels=x).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _fsdp2_step(model: torch.nn.Module, bf16: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x, labels=x).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _ds_plugin_step(model: torch.nn.Module, stage: int, bf16: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    import ds_plugin
+
+    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "gradient_clipping": 0.0}
+    engine = ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
+def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: int):
+    bf16 = dtype == "bf16"
+    if name == "ddp":
+        return _ddp_step(model, bf16)
+    if name == "fsdp2":
+        return _fsdp2_step(model, bf16)
+    if name.startswith("ds_plugin_zero"):
+        return _ds_plugin_step(model, int(name[-1]), bf16)
+    if name.startswith("deepspeed_zero"):
+        from ds_plugin.bench._deepspeed_peer import make_deepspeed_step
+
+        return make_deepspeed_step(
+            model, stage=int(name[-1]), bf16=bf16, micro_batch=MICRO_BATCH, lr=LR, rank=rank, world=world
+        )
+    raise ValueError(f"unknown config {name!r}; one of {', '.join(NAMES)}")
+
+
+def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    model = _model()
+    vocab = model.config.vocab_size
+    step = _make_step(name, dtype, model, rank, world)
+    times, cpu, loss = [], [], None
+    for i in range(warmup + steps):
+        x = _batch(i, rank, vocab)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        loss = step(x)
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    final = loss.detach().float().reshape(1).clone()
+    dist.all_reduce(final)
+    return {
+        "times": times[warmup:],
+        "cpu_times": cpu[warmup:],
+        "final_loss": float(final) / world,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _one_run(name: str, dtype: str, warmup: int, steps: int, timeout: float) -> dict[str, Any]:
+    env = deepspeed_env() if name.startswith("deepspeed") else {}
+    load = os.getloadavg()[0]
+    per_rank = run_ranks(_rank_run, WORLD, timeout=timeout, env=env, name=name, dtype=dtype, warmup=warmup, steps=steps)
+    return {
+        "step_times": [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)],
+        "cpu_times": [max(ts) for ts in zip(*(r["cpu_times"] for r in per_rank), strict=True)],
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank),
+        "final_loss": per_rank[0]["final_loss"],
+        "load_avg_1min": load,
+    }
+
+
+def _summary(name: str, dtype: str, reps: list[dict[str, Any]]) -> dict[str, Any]:
+    pooled = [t for r in reps for t in r["step_times"]]
+    losses = [r["final_loss"] for r in reps]
+    return {
+        "name": name,
+        "dtype": dtype,
+        "median_step_s": round(statistics.median(pooled), 4),
+        "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reps), 1),
+        "final_loss": losses[0],
+        "median_step_cpu_s": round(statistics.median(t for r in reps for t in r["cpu_times"]), 4),
+        "rep_median_step_s": [round(statistics.median(r["step_times"]), 4) for r in reps],
+        "rep_peak_rss_mb": [round(r["peak_rss_mb"], 1) for r in reps],
+        "rep_load_avg_1min": [round(r["load_avg_1min"], 2) for r in reps],
+        "final_loss_spread": max(losses) - min(losses),
+        "timed_steps": len(pooled),
+    }
+
+
+def _comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {(r["name"], r["dtype"]): r for r in runs if "median_step_s" in r}
+    out: dict[str, Any] = {}
+    ours, theirs = by.get(("ds_plugin_zero3", "bf16")), by.get(("deepspeed_zero3", "bf16"))
+    if ours and theirs:
+        out["zero3_bf16"] = {
+            "step_time_ratio_ours_over_deepspeed": round(ours["median_step_s"] / theirs["median_step_s"], 3),
+            "peak_rss_ratio_ours_over_deepspeed": round(ours["peak_rss_mb"] / theirs["peak_rss_mb"], 3),
+            "target_met": ours["median_step_s"] <= theirs["median_step_s"]
+            and ours["peak_rss_mb"] <= theirs["peak_rss_mb"],
+        }
+    fp32 = {name: r["final_loss"] for (name, dtype), r in by.items() if dtype == "fp32"}
+    if "ddp" in fp32:
+        diffs = {name: abs(loss - fp32["ddp"]) for name, loss in fp32.items()}
+        out["fp32_final_loss"] = {
+            "losses": fp32,
+            "max_abs_diff_vs_ddp": max(diffs.values()),
+            "agree_to_5_decimals": max(diffs.values()) < 5e-6,
+        }
+    return out
+
+
+def run(
+    names: tuple[str, ...] = NAMES,
+    dtypes: tuple[str, ...] = DTYPES,
+    *,
+    warmup: int = 3,
+    steps: int = 12,
+    repeats: int = 3,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """Run every (config, dtype) `repeats` times in alternating order and return the report dict.
+
+    Args:
+        names: configs to run, from NAMES.
+        dtypes: "bf16" and/or "fp32".
+        warmup: untimed steps per run (the losses compared are after warmup + steps steps).
+        steps: timed steps per run.
+        repeats: runs per config; odd repetitions go in reverse order.
+        timeout: seconds per run (DeepSpeed's first run compiles its CPU op).
+    """
+    ds_version, ds_missing = deepspeed_version()
+    combos = [(n, d) for n in names for d in dtypes]
+    skipped = {c: ds_missing for c in combos if c[0].startswith("deepspeed") and ds_missing}
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in combos}
+    errors: dict[tuple[str, str], str] = {}
+    load_start = os.getloadavg()
+    for rep in range(repeats):
+        for combo in combos if rep % 2 == 0 else combos[::-1]:
+            if combo in skipped or combo in errors:
+                continue
+            try:
+                results[combo].append(_one_run(*combo, warmup, steps, timeout))
+            except RuntimeError as exc:  # one peer failing must not lose the others' numbers
+                errors[combo] = str(exc).strip().splitlines()[-1][:500]
+    runs = []
+    for combo in combos:
+        if combo in skipped:
+            runs.append({"name": combo[0], "dtype": combo[1], "skipped": skipped[combo]})
+        elif combo in errors:
+            runs.append({"name": combo[0], "dtype": combo[1], "error": errors[combo]})
+        else:
+            runs.append(_summary(*combo, results[combo]))
+    return {
+        "runs": runs,
+        "comparisons": _comparisons(runs),
+        "setup": {
+            "model": f"GPT2({', '.join(f'{k}={v}' for k, v in MODEL.items())}, vocab 50257, dropout 0), 16.3M params",
+            "world_size": WORLD,
+            "threads_per_rank": 1,
+            "seq": SEQ,
+            "micro_batch": MICRO_BATCH,
+            "optimizer": f"torch.optim.AdamW(lr={LR})",
+            "warmup_steps": warmup,
+            "timed_steps": steps,
+            "repeats": repeats,
+            "step_time": "slowest rank's forward+backward+optimizer step; median over all timed steps of all repeats",
+            "step_cpu": "CPU seconds of the busiest rank's process per step (all its threads): less sensitive to "
+            "other load on a shared machine than wall time",
+            "peak_rss": "getrusage maxrss, max over ranks and repeats, fresh processes per run",
+            "final_loss": f"loss of step {warmup + steps}, mean over ranks",
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_avg_1min_start": round(load_start[0], 2),
+            "load_avg_1min_end": round(os.getloadavg()[0], 2),
+        },
+        "torch": torch.__version__,
+        "deepspeed": ds_version,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def draw(report: dict[str, Any], path: str) -> None:
+    """Two panels, median step time and peak RSS, one bar per config and dtype.
+
+    Args:
+        report: what `run` returned.
+        path: PNG file to write.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if "median_step_s" in r]
+    names = [n for n in NAMES if any(r["name"] == n for r in runs)]
+    dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in runs)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(dtypes))
+    for ax, key, label in (
+        (axes[0], "median_step_s", "median step time (s)"),
+        (axes[1], "peak_rss_mb", "peak RSS (MB)"),
+    ):
+        for i, dtype in enumerate(dtypes):
+            vals = {r["name"]: r[key] for r in runs if r["dtype"] == dtype}
+            xs = [k + (i - (len(dtypes) - 1) / 2) * width for k in range(len(names))]
+            ax.bar(xs, [vals.get(n, 0) for n in names], width, label=dtype)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"{report['setup']['model']}, {report['setup']['world_size']} ranks x 1 thread, "
+        f"torch {report['torch']}, deepspeed {report['deepspeed']}, {report['date']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [
+        f"{'config':<18}{'dtype':<6}{'median s/step':>14}{'CPU s/step':>11}{'peak RSS MB':>13}{'final loss':>12}"
+        "  repeats (s)"
+    ]
+    for r in report["runs"]:
+        if "median_step_s" not in r:
+            lines.append(f"{r['name']:<18}{r['dtype']:<6}  {r.get('skipped') or r.get('error')}")
+            continue
+        lines.append(
+            f"{r['name']:<18}{r['dtype']:<6}{r['median_step_s']:>14.3f}{r['median_step_cpu_s']:>11.3f}"
+            f"{r['peak_rss_mb']:>13.0f}"
+            f"{r['final_loss']:>12.6f}  {r['rep_median_step_s']}"
+        )
+    return "\n".join([*lines, json.dumps(report["comparisons"], indent=2)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `ds-plugin bench peers`."""
+    parser = argparse.ArgumentParser(prog="ds-plugin bench peers", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the JSON report only")
+    parser.add_argument("--names", nargs="+", choices=NAMES, default=list(NAMES), help="configs to run")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per config, in alternating order")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--out", help="also write the JSON report to this file")
+    parser.add_argument("--png", help="also draw the chart to this PNG file (needs matplotlib)")
+    args = parser.parse_args(argv)
+    report = run(
+        tuple(args.names),
+        tuple(args.dtypes),
+        warmup=args.warmup,
+        steps=args.steps,
+        repeats=args.repeats,
+        timeout=args.timeout,
+    )
+    text = json.dumps(report, indent=2)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    if args.png:
+        draw(report, args.png)
+    print(text if args.json else _table(report))
+    return 0

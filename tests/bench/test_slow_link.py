@@ -1,0 +1,237 @@
+"""`ds-plugin bench slow-link`: the parts that need no root, the skip path, and (opt-in) the real shaped-link run.
+
+The real run builds network namespaces and a tc-shaped veth pair, so it needs root and minutes; it runs only
+with DS_PLUGIN_RUN_SLOW_BENCH=1. Everything else here is fast and runs anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_plugin.bench import slow_link
+from ds_plugin.bench._slow_link_worker import MlpStack, floors, model_params, rate_bytes_per_s, summarize
+from ds_plugin.cli import main as cli_main
+
+RUN_SLOW = os.environ.get("DS_PLUGIN_RUN_SLOW_BENCH") == "1"
+_REPO = Path(slow_link.__file__).resolve().parents[2]
+
+
+def test_parse_args_defaults_and_configs():
+    args = slow_link.parse_args([])
+    assert (args.rate, args.configs, args.json) == ("1gbit", ["zero3", "zeropp", "hpz", "deepspeed_hpz"], False)
+    args = slow_link.parse_args(["--json", "--configs", "zeropp, zero3", "--hidden", "64", "--delay-ms", "0.5"])
+    assert (args.configs, args.hidden, args.delay_ms, args.json) == (["zeropp", "zero3"], 64, 0.5, True)
+    for bad in (["--configs", "zero4"], ["--steps", "0"], ["--timeout", "0"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            slow_link.parse_args(bad)
+        assert exc.value.code == 2
+
+
+def test_model_params_matches_the_model():
+    assert model_params(32, 3) == sum(p.numel() for p in MlpStack(32, 3).parameters()) == 3 * 2 * 32 * 128
+
+
+def test_link_commands_shape_both_ends():
+    link = slow_link.Link(tag=9999999)
+    assert all(len(name) <= 15 for name in link.veths)  # Linux IFNAMSIZ - 1
+    cmds = [" ".join(c) for c in slow_link.link_commands(link)]
+    ns0, ns1 = link.namespaces
+    assert cmds[:2] == [f"ip netns add {ns0}", f"ip netns add {ns1}"]
+    tbf = [c for c in cmds if " tbf " in c]
+    assert len(tbf) == 2 and all("rate 1gbit burst 256kb latency 100ms" in c for c in tbf)
+    assert {c.split()[2] for c in tbf} == {ns0, ns1}
+    assert any("10.77.0.1/24" in c for c in cmds) and any("10.77.0.2/24" in c for c in cmds)
+    assert not any("netem" in c for c in cmds)
+    delayed = [" ".join(c) for c in slow_link.link_commands(slow_link.Link(delay_ms=0.5, tag=1))]
+    assert sum("netem delay 0.5ms" in c for c in delayed) == 2
+    assert sum("parent 1:1" in c and "tbf" in c for c in delayed) == 2
+
+
+def test_stale_namespaces_only_of_dead_runs():
+    listing = "dspsl-123-0 (id: 0)\ndspsl-123-1 (id: 1)\ndspsl-456-0\nother-7-0\ndspsl-x-0\ndspsl-9-2\n"
+    assert slow_link.stale_namespaces(listing, alive=lambda pid: pid == 456) == ["dspsl-123-0", "dspsl-123-1"]
+    assert slow_link.stale_namespaces(listing, alive=lambda pid: True) == []
+    # The default liveness check: this process is alive.
+    assert slow_link.stale_namespaces(f"dspsl-{os.getpid()}-0") == []
+
+
+def test_summarize_takes_the_slowest_rank_per_step():
+    raw = {
+        "config": "zero3",
+        "step_times_by_rank": [[1.0, 3.0, 2.0], [1.5, 2.0, 2.5]],
+        "cpu_times_by_rank": [[0.5, 0.5, 0.5], [0.2, 0.4, 0.3]],
+        "cross_node_tx_bytes_by_node": [3_000_000, 6_000_000],
+        "losses": [1.0],
+    }
+    out = summarize(raw)
+    assert out["step_s"] == 2.5 and out["step_s_min"] == 1.5 and out["step_s_max"] == 3.0
+    assert out["cross_node_mb_per_step_by_node"] == [1.0, 2.0]
+    assert out["cpu_s_per_step_by_rank"] == [0.5, 0.3]
+    assert summarize({"error": "x"}) == {"error": "x"}
+
+
+def test_rate_and_floors():
+    assert rate_bytes_per_s("1gbit") == 125e6 and rate_bytes_per_s("100mbit") == 12.5e6
+    assert rate_bytes_per_s("1.5Gbit") == 187.5e6 and rate_bytes_per_s("10mbps") is None
+    entry = {"cross_node_mb_per_step_by_node": [250.0, 125.0], "cpu_s_per_step_by_rank": [0.5, 0.5, 0.5, 0.5]}
+    out = floors(entry, "1gbit")
+    cores = min(os.cpu_count() or 1, 4)
+    assert out == {"link_floor_s": 2.0, "cpu_floor_s": round(2.0 / cores, 3), "bound_by": "link"}
+    entry["cpu_s_per_step_by_rank"] = [10.0] * 4
+    assert floors(entry, "1gbit")["bound_by"] == "cpu"
+    assert floors(entry, "10mbps")["link_floor_s"] is None
+
+
+def _skipped(capsys) -> str:
+    report = json.loads(capsys.readouterr().out)
+    assert list(report) == ["skipped"]
+    return report["skipped"]
+
+
+def test_skips_when_not_root(monkeypatch, capsys):
+    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 1000)
+    before = signal.getsignal(signal.SIGTERM)
+    assert slow_link.main(["--json"]) == 0
+    assert "root" in _skipped(capsys)
+    assert signal.getsignal(signal.SIGTERM) is before
+    # Through the CLI too, and in text mode.
+    assert cli_main(["bench", "slow-link", "--json"]) == 0
+    assert "root" in _skipped(capsys)
+    assert slow_link.main([]) == 0
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_skips_and_cleans_up_when_ip_fails(monkeypatch, capsys):
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, check=True):
+        calls.append(cmd)
+        if cmd[:3] == ["ip", "netns", "add"] and cmd[3].endswith("-1"):
+            raise subprocess.CalledProcessError(1, cmd, "", "mount --make-shared /run/netns failed: Permission denied")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slow_link.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(slow_link, "_run", fake_run)
+    assert slow_link.main(["--json"]) == 0
+    reason = _skipped(capsys)
+    assert "Permission denied" in reason and "ip netns add" in reason
+    link = slow_link.Link()
+    # Both namespaces the run tried to create are deleted again; nothing is left to undo.
+    deleted = [c[3] for c in calls if c[:3] == ["ip", "netns", "delete"]]
+    assert sorted(deleted) == sorted(link.namespaces)
+    assert slow_link._RESOURCES.namespaces == [] and slow_link._RESOURCES.procs == []
+
+
+def test_skips_without_iproute2(monkeypatch, capsys):
+    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slow_link.shutil, "which", lambda tool: None)
+    assert slow_link.main(["--json"]) == 0
+    assert "iproute2" in _skipped(capsys)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_worker_on_loopback(tmp_path):
+    """The worker itself, 4 ranks on loopback (no namespaces, no root): ZeRO++ runs its quantized collectives."""
+    out = tmp_path / "zeropp.json"
+    port = str(_free_port())
+    procs = []
+    for rank in range(4):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(rank % 2),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(_REPO),
+        }
+        cmd = [sys.executable, "-m", "ds_plugin.bench._slow_link_worker", "--config", "zeropp", "--hidden", "32",
+               "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), logs
+    result = json.loads(out.read_text())
+    assert result["config"] == "zeropp" and result["hpz_partition_size"] == 2
+    assert result["collectives"] == {"all_gather": "QuantizedAllGather", "reduce_scatter": "QuantizedReduceScatter"}
+    assert result["zeropp_stats_rank0"]["quantized_all_gathers"] > 0
+    assert len(result["step_times_by_rank"]) == 4 and all(len(t) == 2 for t in result["step_times_by_rank"])
+    assert len(result["losses"]) == 3 and all(v > 0 for v in result["losses"])
+
+
+def _namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.startswith(slow_link.NS_PREFIX)}
+
+
+_needs_real_run = pytest.mark.skipif(
+    not RUN_SLOW or os.geteuid() != 0, reason="real shaped-link run: set DS_PLUGIN_RUN_SLOW_BENCH=1 and run as root"
+)
+_SMALL = ["--hidden", "512", "--layers", "2", "--steps", "2", "--warmup", "1", "--configs", "zero3,zeropp"]
+
+
+@pytest.mark.slow
+@_needs_real_run
+@pytest.mark.timeout(900)
+def test_real_run_on_shaped_link():
+    before = _namespaces()
+    cmd = [sys.executable, "-m", "ds_plugin.cli", "bench", "slow-link", "--json", *_SMALL, "--timeout", "300"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=800, cwd=_REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    for key in ("zero3_step_s", "zeropp_step_s", "speedup", "link", "ranks", "nodes", "model_params", "torch"):
+        assert key in report, key
+    assert report["ranks"] == 4 and report["nodes"] == 2 and report["dtype"] == "bf16"
+    assert report["speedup"] == pytest.approx(report["zero3_step_s"] / report["zeropp_step_s"])
+    z3, zpp = report["configs"]["zero3"], report["configs"]["zeropp"]
+    # ZeRO-3 sends ~3x the bf16 model across the link per step; ZeRO++ about a sixth of that.
+    bf16_mb = 2 * report["model_params"] / 1e6
+    assert 2.5 * bf16_mb < z3["cross_node_mb_per_step_by_node"][0] < 3.5 * bf16_mb
+    assert zpp["cross_node_mb_per_step_by_node"][0] < 0.3 * z3["cross_node_mb_per_step_by_node"][0]
+    assert _namespaces() == before  # the run removed its namespaces
+
+
+@pytest.mark.slow
+@_needs_real_run
+@pytest.mark.timeout(300)
+def test_sigterm_removes_namespaces_and_children():
+    before = _namespaces()
+    cmd = [sys.executable, "-m", "ds_plugin.cli", "bench", "slow-link", "--json", *_SMALL, "--timeout", "200"]
+    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        mine = {f"{slow_link.NS_PREFIX}-{proc.pid}-0", f"{slow_link.NS_PREFIX}-{proc.pid}-1"}
+        deadline = time.monotonic() + 120
+        while not mine <= _namespaces() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mine <= _namespaces(), "the run never built its link"
+        time.sleep(3)  # let the ranks start
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert _namespaces() == before
+    workers = subprocess.run(["pgrep", "-f", f"ds_plugin_slow_link_{proc.pid}_"], capture_output=True, text=True)
+    assert workers.stdout == ""
