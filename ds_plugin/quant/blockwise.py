@@ -377,9 +377,9 @@ def _quantize_reference(
     pad = n_blocks * block_size - numel
     # Zero padding cannot change a block's amax, and its codes are cut off below.
     blocks = F.pad(flat, (0, pad)).view(n_blocks, block_size)
-    finite = torch.isfinite(blocks)
-    nonfinite_block = ~finite.all(dim=1)
-    amax = torch.where(finite, blocks.abs(), 0.0).amax(dim=1)
+    # amax propagates inf/nan, so one check per block (not per element) finds the non-finite blocks.
+    amax = blocks.abs().amax(dim=1)
+    nonfinite_block = ~torch.isfinite(amax)
     # Divide by a tensor, not a Python scalar: CUDA torch turns `t / scalar` into `t * (1 / scalar)`, which rounds
     # differently from the correctly rounded division the Triton kernel performs.
     scales = amax / torch.full_like(amax, float(qmax))
@@ -389,8 +389,10 @@ def _quantize_reference(
         # The codes are computed against the scale the receiver will see. Capped below bf16's max so that
         # rounding up never reaches inf.
         scales = _round_up_to_bf16(scales.clamp(max=max_finite_scale(bits) / 2))
-    codes = torch.round(blocks / scales[:, None]).clamp_(-qmax, qmax)
-    codes = torch.where(nonfinite_block[:, None], 0.0, codes).to(torch.int8).reshape(-1)
+    # In place: on CPU this runs once per step over every gradient, and each extra pass costs real time.
+    codes = blocks / scales[:, None]
+    codes.round_().clamp_(-qmax, qmax).masked_fill_(nonfinite_block[:, None], 0.0)
+    codes = codes.to(torch.int8).reshape(-1)
     scales = torch.where(nonfinite_block, math.nan, scales).to(scale_dtype)
     # Clone so no padding stays reachable through the returned tensor's storage.
     return (codes[:numel].clone() if pad else codes), scales
