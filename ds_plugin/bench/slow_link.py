@@ -336,6 +336,7 @@ def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:
 
     report: dict[str, Any] = {}
     configs: dict[str, Any] = {}
+    commit = _commit()  # before the runs: the ranks import the code as it is now
     build_link(link)
     try:
         with tempfile.TemporaryDirectory(prefix=f"ds_plugin_slow_link_{os.getpid()}_") as tmp:
@@ -374,7 +375,7 @@ def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:
         warmup=args.warmup,
         threads_per_rank=1,
         torch=torch.__version__,
-        ds_plugin_commit=_commit(),
+        ds_plugin_commit=commit,
         python=platform.python_version(),
         machine=_machine(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

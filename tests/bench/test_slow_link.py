@@ -145,6 +145,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # four processes (~20 s on two busy cores); no root needed, so it runs by default
 @pytest.mark.timeout(300)
 def test_worker_on_loopback(tmp_path):
     """The worker itself, 4 ranks on loopback (no namespaces, no root): ZeRO++ runs its quantized collectives."""
