@@ -116,10 +116,10 @@ def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: l
     # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
     for block in blocks:
         fully_shard(block, **kwargs)
-    # The root stays gathered after forward: backward needs it first, so freeing it would only re-gather it
-    # (DESIGN.md measured this faster). torch >= 2.13 applies that heuristic only when the value is left unset,
-    # so it is said explicitly.
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    # The root gets the blocks' setting. Keeping it gathered after forward (`False`; backward needs it first)
+    # would save one re-gather per step (torch 2.13 does that by itself only for an unset value), but then
+    # tests/zero/test_zeropp_convergence.py drifts past its 1% bound (bf16: 3.3%); left to the ZeRO++ work.
+    fully_shard(model, **kwargs)
     # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
     install_zeropp(model, config, mesh)
 
