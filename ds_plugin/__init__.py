@@ -7,29 +7,12 @@ Lightning strategy names (zero0..zero3, zero3_offload, zeropp) when Lightning is
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from typing import Any
-
 from ds_plugin.config import ConfigError, TrainingConfig, from_deepspeed
-from ds_plugin.presets import PRESETS, get_preset
+from ds_plugin.presets import PRESETS, get_preset, load_config
 
 __version__ = "0.1.0"
 
 __all__ = ["PRESETS", "ConfigError", "TrainingConfig", "from_deepspeed", "get_preset", "load_config"]
-
-
-def load_config(config: str | os.PathLike | Mapping[str, Any] | TrainingConfig) -> TrainingConfig:
-    """A `TrainingConfig` from a preset name ("zero3", "zeropp", ...), a DeepSpeed .json/.yaml path, or a dict.
-
-    Args:
-        config: what to load; a `TrainingConfig` is returned unchanged.
-    """
-    if isinstance(config, str) and config in PRESETS:
-        return get_preset(config)
-    if isinstance(config, str) and not os.path.splitext(config)[1] and not os.path.exists(config):
-        return get_preset(config)  # no suffix and no such file: a preset name, maybe mistyped ("did you mean")
-    return from_deepspeed(config)
 
 
 def _register_strategies() -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from ds_plugin.config import ConfigError, TrainingConfig, from_deepspeed
 
-__all__ = ["PRESETS", "get_preset", "register_preset"]
+__all__ = ["PRESETS", "get_preset", "load_config", "register_preset"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "zero0": {"zero_optimization": {"stage": 0}},
@@ -66,4 +68,17 @@ def get_preset(name: str, **overrides: Any) -> TrainingConfig:
             config[key] = {**config[key], **value}
         else:
             config[key] = value
+    return from_deepspeed(config)
+
+
+def load_config(config: str | os.PathLike | Mapping[str, Any] | TrainingConfig) -> TrainingConfig:
+    """A `TrainingConfig` from a preset name ("zero3", "zeropp", ...), a DeepSpeed .json/.yaml path, or a dict.
+
+    Args:
+        config: what to load; a `TrainingConfig` is returned unchanged.
+    """
+    if isinstance(config, str) and config in PRESETS:
+        return get_preset(config)
+    if isinstance(config, str) and not os.path.splitext(config)[1] and not os.path.exists(config):
+        return get_preset(config)  # no suffix and no such file: a preset name, maybe mistyped ("did you mean")
     return from_deepspeed(config)

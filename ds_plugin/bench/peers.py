@@ -25,6 +25,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -144,6 +145,10 @@ def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: 
 def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
+    # Ranks share the parent's stdout, which carries the JSON report: send what they print (DeepSpeed's op
+    # loader, for one) to stderr.
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     model = _model()
     vocab = model.config.vocab_size
     step = _make_step(name, dtype, model, rank, world)

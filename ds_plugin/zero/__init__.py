@@ -1,1 +1,23 @@
+"""The ZeRO engine on FSDP2: stages 0-3, ZeRO++ collectives, comms logger, sharded checkpoints."""
 
+from ds_plugin.zero.apply import apply_zero, is_zero_applied, mixed_precision_policy
+from ds_plugin.zero.engine import ZeroEngine, initialize
+from ds_plugin.zero.init import init_sharded, materialize_, meta_init
+from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh
+from ds_plugin.zero.optimizer import clip_grad_norm_
+from ds_plugin.zero.wrap import find_blocks
+
+__all__ = [
+    "ZeroEngine",
+    "ZeroSetupError",
+    "apply_zero",
+    "clip_grad_norm_",
+    "data_parallel_mesh",
+    "find_blocks",
+    "init_sharded",
+    "initialize",
+    "is_zero_applied",
+    "materialize_",
+    "meta_init",
+    "mixed_precision_policy",
+]

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ds_plugin.config import TrainingConfig, from_deepspeed
+from ds_plugin.config import TrainingConfig
+from ds_plugin.presets import load_config
 from ds_plugin.zero.mesh import (
     ZeroSetupError,
     data_parallel_mesh,
@@ -162,7 +163,7 @@ def apply_zero(
         ZeroSetupError: the model has no parameters, was already applied, or `block_types` matches nothing.
         ConfigError: the hpZ group size does not divide the world size, or a value is still "auto".
     """
-    config = from_deepspeed(config)
+    config = load_config(config)
     _check_model(model, config.stage)
     mesh = data_parallel_mesh(mesh)
     config = resolve_for_world(config, mesh.size())

@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ds_plugin.config import AUTO, ConfigError, TrainingConfig, from_deepspeed
+from ds_plugin.config import AUTO, ConfigError, TrainingConfig
 from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
+from ds_plugin.presets import load_config
 from ds_plugin.zero.apply import apply_zero, is_zero_applied
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, torch_dtype
 from ds_plugin.zero.optimizer import (
@@ -90,7 +91,7 @@ class ZeroEngine:
         if not is_zero_applied(module):
             raise ZeroSetupError("ZeroEngine: the model has not been through apply_zero; use initialize(model, config)")
         self.module = module
-        self.config = config = from_deepspeed(config)
+        self.config = config = load_config(config)
         self.stage = config.stage
         self._replicated = replicated_state(module)
         # Walking an FSDP2 module's parameters costs ~0.3 ms; the objects stay the same, so walk once.
@@ -376,7 +377,7 @@ def initialize(
         mesh: the 1-D data-parallel mesh; default all ranks.
         block_types: blocks to shard separately (see `apply_zero`).
     """
-    config = from_deepspeed(config)
+    config = load_config(config)
     originals = {id(p): name for name, p in model.named_parameters()}
     if not is_zero_applied(model):
         mesh = data_parallel_mesh(mesh)

@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
-from ds_plugin.config import TrainingConfig, from_deepspeed
+from ds_plugin.config import TrainingConfig
+from ds_plugin.presets import load_config
 from ds_plugin.zero.apply import apply_zero
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device
 from ds_plugin.zero.stage1 import shard_rows
@@ -241,7 +242,7 @@ def init_sharded(
         init_fn: the initialisation, called once with the model (default: see the module doc).
         seed: initialisation seed; the same seed gives the same weights at every world size and stage.
     """
-    config = from_deepspeed(config)
+    config = load_config(config)
     mesh = data_parallel_mesh(mesh)
     with meta_init():
         model = model_fn()
