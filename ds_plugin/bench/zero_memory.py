@@ -25,7 +25,9 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from ds_plugin.estimate import zero_model_state_bytes
 from ds_plugin.launch import run_ranks
 
-__all__ = ["CATEGORIES", "count_model_states", "main", "run"]
+__all__ = ["CATEGORIES", "count_model_states", "main", "run", "source_revision"]
 
 CATEGORIES = ("compute_params", "master_params", "grads", "optimizer_state")
 # In step order. "backward" is the largest count seen as each compute parameter's gradient lands;
@@ -65,10 +67,26 @@ EXPLAIN = {
     ),
     3: (
         "no bf16 weight shard is kept (the all-gather casts the fp32 shard on the fly), but the gradient "
-        "shards are fp32 (4Ψ/N instead of 2Ψ/N): the same 16Ψ/N as the formula, split differently. Gathered "
-        "bf16 weights of the unit in flight (and the unresharded root after forward) show in the other probes."
+        "shards are fp32 (4Ψ/N instead of 2Ψ/N): the same 16Ψ/N as the formula, split differently. The "
+        "gathered bf16 weights and bf16 gradients of the unit in flight (the largest is the root with the "
+        "tied embedding) are the ZeRO paper's temporary buffers: they show in the backward probe."
     ),
 }
+
+
+def source_revision() -> dict[str, Any]:
+    """The git commit the package ran from, and which engine files differed from it (benchmark provenance)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        modified = git("status", "--porcelain", "--", "ds_plugin/zero", "ds_plugin/precision").splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+    return {"commit": commit or None, "engine_files_modified": [line[3:] for line in modified]}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -343,6 +361,7 @@ def run(
             "in_step": "optimizer.step about to run",
         },
         "stages": {str(s): _stage_report(s, per_rank, params, world_size) for s in stages},
+        "ds_plugin": source_revision(),
         "torch": torch.__version__,
         "machine": platform.platform(),
         "date": datetime.date.today().isoformat(),
