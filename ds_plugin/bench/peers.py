@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ds_plugin.bench._deepspeed_peer import deepspeed_env, deepspeed_version
+from ds_plugin.bench.zero_memory import source_revision
 from ds_plugin.launch import run_ranks
 
 __all__ = ["NAMES", "main", "run"]
@@ -288,6 +289,7 @@ def run(
             "load_avg_1min_start": round(load_start[0], 2),
             "load_avg_1min_end": round(os.getloadavg()[0], 2),
         },
+        "ds_plugin": source_revision(),
         "torch": torch.__version__,
         "deepspeed": ds_version,
         "date": datetime.date.today().isoformat(),
@@ -295,7 +297,7 @@ def run(
 
 
 def draw(report: dict[str, Any], path: str) -> None:
-    """Two panels, median step time and peak RSS, one bar per config and dtype.
+    """Three panels, median wall and CPU step time and peak RSS, one bar per config and dtype.
 
     Args:
         report: what `run` returned.
@@ -309,12 +311,14 @@ def draw(report: dict[str, Any], path: str) -> None:
     runs = [r for r in report["runs"] if "median_step_s" in r]
     names = [n for n in NAMES if any(r["name"] == n for r in runs)]
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in runs)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (
+        ("median_step_s", "median step time, wall (s)"),
+        ("median_step_cpu_s", "median step CPU time (s)"),
+        ("peak_rss_mb", "peak RSS (MB)"),
+    )
     width = 0.8 / max(1, len(dtypes))
-    for ax, key, label in (
-        (axes[0], "median_step_s", "median step time (s)"),
-        (axes[1], "peak_rss_mb", "peak RSS (MB)"),
-    ):
+    for ax, (key, label) in zip(axes, panels, strict=True):
         for i, dtype in enumerate(dtypes):
             vals = {r["name"]: r[key] for r in runs if r["dtype"] == dtype}
             xs = [k + (i - (len(dtypes) - 1) / 2) * width for k in range(len(names))]
