@@ -51,13 +51,14 @@ FORMULA = "2Ψ bf16 weights + 2Ψ bf16 grads + 12Ψ fp32 master weights and Adam
 EXPLAIN = {
     0: (
         "replicated: bf16 compute weights (2Ψ) and their bf16 gradients (2Ψ), fp32 masters and AdamW moments "
-        "(12Ψ), as the formula assumes. In the step the gradients are reduced into fp32 master gradients "
-        "(4Ψ) before the bf16 ones are dropped: see the after_reduce and in_step probes."
+        "(12Ψ), as the formula assumes. The step then reduces the gradients into fp32 master gradients (4Ψ) "
+        "before it drops the bf16 ones: 20Ψ at after_reduce, 18Ψ at in_step (fp32 gradients where the "
+        "formula has bf16 ones)."
     ),
     1: (
         "bf16 compute weights and gradients replicated (4Ψ), fp32 masters and AdamW moments sharded (12Ψ/N), "
-        "as the formula assumes. In the step each rank's master gradient shard is fp32 (4Ψ/N, reduce-scattered "
-        "while the bf16 gradients are still alive): see after_reduce and in_step."
+        "as the formula assumes. The step reduce-scatters into fp32 master gradient shards (4Ψ/N) before it "
+        "drops the bf16 gradients: 4Ψ + 16Ψ/N at after_reduce, 2Ψ + 16Ψ/N at in_step."
     ),
     2: (
         "FSDP2 reshards every unit after backward, so the bf16 weights gathered for forward and backward "

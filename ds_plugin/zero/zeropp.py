@@ -4,7 +4,7 @@ Both plug into FSDP2 through `FSDPModule.set_custom_all_gather` / `set_custom_re
 its own bucketing, prefetching and resharding (and hpZ, which is `reshard_after_forward=k`) while the bytes
 on the wire shrink:
 
-- qwZ: each rank quantizes its bf16/fp16/fp32 shard blockwise to INT8 (one fp32 scale per block), the codes
+- qwZ: each rank quantizes its bf16/fp16/fp32 shard blockwise to INT8 (one bf16 scale per block), the codes
   and scales are all-gathered, and every rank dequantizes into FSDP2's output buffer. Half of bf16's bytes.
 - qgZ: the reduce-scatter input (one chunk per destination rank) is quantized blockwise to INT4 per chunk,
   exchanged with all-to-all, dequantized and summed in fp32. With nodes known it takes two hops as in the
@@ -14,6 +14,9 @@ on the wire shrink:
 
 Non-float buckets (FSDP2 gathers mixed-dtype parameters as raw bytes) and reduction ops other than SUM/AVG
 take the plain collective; each such fallback is counted in `ZeroPPStats` so the comms logger can report it.
+
+The quantize / dequantize steps live in `ds_plugin.quant.fused`: the blockwise format's math, compiled into
+one loop per step for large CPU buckets (eager torch there would cost more than a slow link saves).
 """
 
 from __future__ import annotations
@@ -27,12 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_plugin.quant.blockwise import (
-    dequantize_int4_blockwise,
-    dequantize_int8_blockwise,
-    quantize_int4_blockwise,
-    quantize_int8_blockwise,
-)
+from ds_plugin.quant.fused import dequantize_rows_into, dequantize_sum_rows, quantize_rows
 
 __all__ = [
     "QuantizedAllGather",
@@ -78,16 +76,6 @@ def _block_for(numel: int, block_size: int) -> int:
     return max(2, min(block_size, numel + (numel % 2)))
 
 
-def _padded(numel: int, block: int) -> int:
-    return -(-numel // block) * block
-
-
-def _pad_last(rows: Tensor, width: int) -> Tensor:
-    """Zero-pad the last dim of a 2-D tensor to `width` (a no-op when it already is)."""
-    extra = width - rows.shape[-1]
-    return torch.nn.functional.pad(rows, (0, extra)) if extra else rows
-
-
 class _PlainAlloc:
     """FSDP2's comm protocol also asks the comm object for its buffers."""
 
@@ -114,19 +102,14 @@ class QuantizedAllGather(_PlainAlloc):
         world = dist.get_world_size(group)
         shard = input_tensor.numel()
         block = _block_for(shard, self.block_size)
-        padded = _padded(shard, block)
-        # Blocks never straddle ranks: quantize the shard padded to whole blocks, but send only its own codes;
-        # receivers pad each rank's codes back locally, so the padding costs no bytes on the wire.
-        codes, scales = quantize_int8_blockwise(
-            _pad_last(input_tensor.view(1, -1), padded), block, check_finite=False, scale_dtype=SCALE_DTYPE
-        )
+        # Blocks never straddle ranks: each shard is quantized as whole blocks (zero-padded locally), and only its
+        # real codes travel; receivers pad each rank's codes back the same way.
+        codes, scales = quantize_rows(input_tensor.view(1, -1), block, 8)
         all_codes = codes.new_empty(world * shard)
         all_scales = scales.new_empty(world * scales.numel())
-        _all_gather(all_codes, codes[:shard], group)
+        _all_gather(all_codes, codes.reshape(-1), group)
         _all_gather(all_scales, scales, group)
-        full_codes = _pad_last(all_codes.view(world, shard), padded)
-        full = dequantize_int8_blockwise(full_codes, all_scales, block, (world, padded), output_tensor.dtype)
-        output_tensor.view(world, shard).copy_(full[:, :shard])
+        dequantize_rows_into(output_tensor.view(world, shard), all_codes, all_scales, block)
         self.stats.quantized_all_gathers += 1
         return None
 
@@ -179,35 +162,30 @@ class QuantizedReduceScatter(_PlainAlloc):
         nodes = dist.get_world_size(self.inter_group)
         # Destination rank d = node * local + local_index. Hop 1 sends local peer j the chunks of every node's
         # rank j, so afterwards this rank holds its node's sum for the destinations (n, my_local) of all nodes n.
-        by_local = chunks.view(nodes, local, -1).transpose(0, 1).reshape(local, -1)
+        # A transposed view, not a copy: the quantizer reads it in place and writes codes in the order sent.
+        by_local = chunks.view(nodes, local, -1).transpose(0, 1)
         partial = _all_to_all_sum(by_local, self.block_size, self.intra_group)
         # Hop 2: send each node's partial sum to the same-local-index rank of that node.
-        return _all_to_all_sum(partial.view(nodes, -1), self.block_size, self.inter_group)
+        return _all_to_all_sum(partial, self.block_size, self.inter_group)
 
 
 def _all_to_all_sum(chunks: Tensor, block_size: int, group: dist.ProcessGroup) -> Tensor:
-    """Row i of `chunks` goes to rank i of `group`; returns the fp32 sum of the rows this rank receives."""
-    peers, numel = chunks.shape
+    """`chunks[i]` goes to rank i of `group`; returns the fp32 sum of what this rank receives, shaped `chunks[0]`.
+
+    The quantization blocks follow the last dim: a block never spans two destination chunks.
+    """
+    numel = chunks.shape[-1]
     block = _block_for(numel, block_size)
-    padded = _padded(numel, block)
-    # check_finite=False: an inf/nan block gets a nan scale, so an fp16 overflow survives the trip and the
-    # loss scaler still sees it.
-    packed, scales = quantize_int4_blockwise(
-        _pad_last(chunks, padded), block, check_finite=False, scale_dtype=SCALE_DTYPE
-    )
-    # Each row's codes are padded to whole blocks for quantizing; only the bytes holding real codes are sent.
-    row_bytes = (numel + 1) // 2
-    send = packed.view(peers, padded // 2)[:, :row_bytes].contiguous()
+    # Inf/nan blocks get a nan scale, so an fp16 overflow survives the trip and the loss scaler still sees it.
+    packed, scales = quantize_rows(chunks, block, 4)
+    send = packed.contiguous()
     recv_packed = torch.empty_like(send)
     recv_scales = torch.empty_like(scales)
     dist.all_to_all_single(recv_packed, send, group=group)
     dist.all_to_all_single(recv_scales, scales, group=group)
-    full = _pad_last(recv_packed, padded // 2)
-    received = dequantize_int4_blockwise(full, recv_scales, block, (peers, padded), torch.float32)
-    # This rank's own chunk never crossed the wire: use it exact, which removes 1/peers of the rounding noise.
+    # This rank's own chunk never crossed the wire: it is summed exact, which removes 1/peers of the rounding noise.
     me = dist.get_rank(group)
-    received[me, :numel] = chunks[me, :numel].float()
-    return received[:, :numel].sum(dim=0)
+    return dequantize_sum_rows(recv_packed, recv_scales, chunks[me], me, block)
 
 
 def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

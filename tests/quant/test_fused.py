@@ -1,0 +1,126 @@
+"""The ZeRO++ row quantizer steps (`ds_plugin.quant.fused`) equal the blockwise reference bit for bit, eager and
+compiled, on ragged rows, zero blocks, inf/nan blocks and transposed (strided) inputs."""
+
+import shutil
+
+import pytest
+import torch
+
+from ds_plugin.quant import fused
+from ds_plugin.quant.blockwise import dequantize_int4_blockwise, dequantize_int8_blockwise, quantize_blockwise
+
+# (rows, numel, block): whole blocks, a ragged last block, a block larger than the row, odd INT4 counts.
+SHAPES = [(3, 1000, 64), (2, 4097, 4096), (1, 10, 4), (4, 130, 64), (2, 7, 8)]
+MODES = [
+    pytest.param(False, id="eager"),
+    pytest.param(
+        True,
+        id="compiled",
+        marks=pytest.mark.skipif(shutil.which("c++") is None, reason="torch.compile on CPU needs a C++ compiler"),
+    ),
+]
+
+
+def _rows(n: int, numel: int, dtype: torch.dtype, block: int) -> torch.Tensor:
+    x = torch.randn(n, numel, generator=torch.Generator().manual_seed(n * numel + block)) * 3
+    x[0, : min(block, numel)] = 0  # an all-zero block: scale 1, zero codes
+    if n > 2:
+        x[2, numel // 2] = float("inf")  # a non-finite block: nan scale, zero codes
+    return x.to(dtype)
+
+
+def _reference(row: torch.Tensor, bits: int, block: int):
+    return quantize_blockwise(row, bits, block, check_finite=False, backend="torch", scale_dtype=torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_state(monkeypatch):
+    monkeypatch.delenv("DS_PLUGIN_QUANT_COMPILE", raising=False)
+    yield
+    # A compile failure would silently fall back to eager and make the compiled cases test nothing.
+    assert not fused._COMPILE_FAILED, f"torch.compile failed for {fused._COMPILE_FAILED}"
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_rows_equals_reference(dtype, bits, compiled):
+    for n, numel, block in SHAPES:
+        x = _rows(n, numel, dtype, block)
+        codes, scales = fused.quantize_rows(x, block, bits, compiled=compiled)
+        per_row = -(-numel // block)
+        for r in range(n):
+            ref = _reference(x[r], bits, block)
+            assert torch.equal(codes[r], ref.data), (n, numel, block, r)
+            # Compared as bits: nan scales must match too.
+            assert torch.equal(scales[r * per_row : (r + 1) * per_row].view(torch.int16), ref.scales.view(torch.int16))
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_rows_into_equals_reference(dtype, compiled):
+    for n, numel, block in SHAPES:
+        x = _rows(n, numel, dtype, block)
+        codes, scales = fused.quantize_rows(x, block, 8, compiled=False)
+        out = torch.full((n, numel), 7.0, dtype=dtype)
+        fused.dequantize_rows_into(out, codes.contiguous().view(-1), scales, block, compiled=compiled)
+        for r in range(n):
+            ref = _reference(x[r], 8, block)
+            want = dequantize_int8_blockwise(ref.data, ref.scales, block, (numel,), dtype, backend="torch")
+            assert torch.equal(out[r].isnan(), want.isnan())
+            assert torch.equal(out[r].nan_to_num(), want.nan_to_num()), (n, numel, block, r)
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_sum_rows_equals_reference(dtype, compiled):
+    for n, numel, block in SHAPES:
+        x = _rows(n, numel, dtype, block)
+        x[-1, numel - 1] = float("nan")
+        packed, scales = fused.quantize_rows(x, block, 4, compiled=False)
+        for me in range(n):
+            got = fused.dequantize_sum_rows(packed.contiguous(), scales, x[me], me, block, compiled=compiled)
+            rows = [
+                x[r].float()
+                if r == me
+                else dequantize_int4_blockwise(
+                    _reference(x[r], 4, block).data,
+                    _reference(x[r], 4, block).scales,
+                    block,
+                    (numel,),
+                    torch.float32,
+                    backend="torch",
+                )
+                for r in range(n)
+            ]
+            want = torch.stack(rows).sum(dim=0)
+            assert got.dtype == torch.float32
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (n, numel, block, me)
+
+
+@pytest.mark.parametrize("compiled", MODES)
+def test_transposed_rows_quantize_in_view_order(compiled):
+    # qgZ's first hop quantizes chunks.view(nodes, local, n).transpose(0, 1) in place; the codes must come out
+    # as if that view had been copied to contiguous memory first.
+    nodes, local, numel, block = 2, 3, 256, 64
+    chunks = torch.randn(nodes * local, numel).bfloat16()
+    view = chunks.view(nodes, local, numel).transpose(0, 1)
+    codes, scales = fused.quantize_rows(view, block, 4, compiled=compiled)
+    want_codes, want_scales = fused.quantize_rows(view.contiguous(), block, 4, compiled=False)
+    assert codes.shape == (local, nodes, numel // 2)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
+    own = view[1]
+    got = fused.dequantize_sum_rows(codes.contiguous(), scales, own, 1, block, compiled=compiled)
+    want = fused.dequantize_sum_rows(want_codes.contiguous(), want_scales, own.contiguous(), 1, block, compiled=False)
+    assert torch.equal(got, want)
+
+
+def test_compile_choice_follows_size_and_environment(monkeypatch):
+    small, large = torch.empty(10), torch.empty(fused.COMPILE_MIN_NUMEL)
+    assert not fused._want_compiled(small) and fused._want_compiled(large)
+    monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "0")
+    assert not fused._want_compiled(large)
+    monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "1")
+    assert fused._want_compiled(small)
