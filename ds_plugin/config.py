@@ -396,7 +396,7 @@ class TrainingConfig:
                     "use a divisor of the world size (usually the ranks per node)"
                 )
         zero = dataclasses.replace(zero, zero_hpz_partition_size=hpz)
-        return dataclasses.replace(
+        resolved = dataclasses.replace(
             cfg,
             train_batch_size=tb,
             train_micro_batch_size_per_gpu=mb,
@@ -406,6 +406,39 @@ class TrainingConfig:
             bf16=bf16,
             zero_optimization=zero,
         )
+        resolved.check_fp8_all_gather(world_size)
+        return resolved
+
+    def check_fp8_all_gather(self, world_size: int | None = None) -> None:
+        """Refuse `fp8.all_gather` where it cannot act: without FP8 layers, below stage 3, or with hpZ.
+
+        Checked when the config is resolved and by `apply_zero`, not at parse time: a precision plugin fills the
+        `fp8` block before the strategy sets the stage.
+
+        Args:
+            world_size: the data-parallel world size, if known (an hpZ group of all ranks is plain stage 3).
+
+        Raises:
+            ConfigError: one line naming the conflict and the fix.
+        """
+        if not self.fp8.all_gather:
+            return
+        if not self.fp8.enabled:
+            raise ConfigError(
+                "fp8.all_gather: needs fp8.enabled (it gathers the weights of the FP8 layers); "
+                "set fp8.enabled to true or turn fp8.all_gather off"
+            )
+        if self.stage != 3:
+            raise ConfigError(
+                f"fp8.all_gather: needs zero_optimization.stage 3 (stage {self.stage} does not gather sharded "
+                "weights for every forward); set stage to 3 or turn fp8.all_gather off"
+            )
+        hpz = self.zero_optimization.zero_hpz_partition_size
+        if hpz != AUTO and int(hpz) > 1 and (world_size is None or int(hpz) < world_size):
+            raise ConfigError(
+                f"fp8.all_gather: cannot combine with zero_optimization.zero_hpz_partition_size {hpz} (FSDP2 has no "
+                "FP8 path for hpZ's secondary shard); set zero_hpz_partition_size to 1 or turn fp8.all_gather off"
+            )
 
     # ------------------------------------------------------------------ I/O
 

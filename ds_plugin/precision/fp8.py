@@ -131,13 +131,21 @@ def _tile_view(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, i
     return x.reshape(nr, br, nc, bc), nr, nc
 
 
-def quantize_blocks(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float8_e4m3fn) -> ScaledFp8:
+def quantize_blocks(
+    x: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    amax: torch.Tensor | None = None,
+) -> ScaledFp8:
     """Quantize a 2-D tensor with one amax-derived fp32 scale per ``block`` tile.
 
     Args:
         x: a 2-D tensor in any floating dtype (the arithmetic is fp32).
         block: tile shape (rows, cols); ragged edge tiles are allowed and scaled on their own elements.
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        amax: per-tile absolute maxima to use instead of ``x``'s own, shape (row tiles, col tiles); a shard of a
+            tensorwise-scaled weight passes the amax all-reduced over every shard.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_blocks expects a 2-D tensor, got shape {tuple(x.shape)}")
@@ -146,7 +154,9 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype 
     block = (max(1, min(block[0], rows)), max(1, min(block[1], cols)))
     tiles, nr, nc = _tile_view(x.float(), block)
     # vector_norm(inf) is max |x| in one pass, without the temporary that abs().amax() allocates.
-    scale = amax_to_scale(torch.linalg.vector_norm(tiles, float("inf"), dim=(1, 3)), dtype)
+    if amax is None:
+        amax = torch.linalg.vector_norm(tiles, float("inf"), dim=(1, 3))
+    scale = amax_to_scale(amax.reshape(nr, nc), dtype)
     limit = fp8_max(dtype)
     # Division (not a multiply by the reciprocal) so the values match a plain reference bit for bit; the clamp
     # catches a round-up past fp8_max, which would otherwise become nan (E4M3) or inf (E5M2).

@@ -24,6 +24,7 @@ from ds_plugin.precision.fp8 import (
     quantize_weight,
     scaled_mm,
 )
+from ds_plugin.precision.fp8_all_gather import gathered_fp8
 
 __all__ = ["Fp8Linear", "convert_to_fp8_training"]
 
@@ -49,6 +50,20 @@ def _quantize_grad_out(dy: torch.Tensor, recipe: str, dtype: torch.dtype, wgrad:
     return quantize_blocks(dy, (BLOCK, 1) if wgrad else (1, BLOCK), torch.float8_e4m3fn)
 
 
+def _dgrad(dy: torch.Tensor, weight: torch.Tensor, recipe: str, grad_dtype: torch.dtype) -> torch.Tensor:
+    """dx = dy·W for rowwise and blockwise; W quantized here unless it arrived as fp8 codes."""
+    w_q = gathered_fp8(weight)
+    if w_q is None:
+        n = weight.shape[0]
+        w_q = quantize_blocks(weight, (n, 1)) if recipe == "rowwise" else quantize_weight(weight, recipe)
+    elif recipe == "rowwise":
+        # W = diag(s)·Q with s along the summed N: move s onto dy's columns and give Q unit column scales.
+        dy = dy.float() * w_q.scale.reshape(1, -1)
+        n, k = w_q.data.shape
+        w_q = ScaledFp8(w_q.data, torch.ones(1, k, device=dy.device), (n, 1))
+    return scaled_mm(_quantize_grad_out(dy, recipe, grad_dtype, wgrad=False), w_q, torch.float32)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """y = x·Wᵀ + b with all three GEMMs in fp8; bias, reductions and outputs in high precision.
 
@@ -66,6 +81,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     128×128 weight blocks are square, so one quantization of W serves both the forward GEMM and dgrad's Wᵀ (a
     reason DeepSeek-V3 gives for them). Rowwise W and all wgrad operands need a quantization along the other axis.
+
+    A weight that came through the FP8 all-gather (:mod:`ds_plugin.precision.fp8_all_gather`) already holds the
+    codes ``quantize_weight`` would make; they are used as they are. Rowwise dgrad then folds W's row scales into
+    dy (``dx = (dy·diag(s))·Q``), since the bf16 W a per-column quantization needs was never gathered.
     """
 
     @staticmethod
@@ -80,7 +99,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             x_q = quantize_activation(x, recipe)
-            w_q = quantize_weight(weight, recipe)
+            w_q = gathered_fp8(weight) or quantize_weight(weight, recipe)
             y = scaled_mm(x_q, w_q.t(), torch.float32)
             if bias is not None:
                 y = y + bias.float()
@@ -107,16 +126,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_q = ScaledFp8(x_data, x_scale, tuple(x_data.shape))
                 dy_q = _quantize_grad_out(dy, recipe, grad_dtype, wgrad=False)
                 if need_dx:
-                    grad_x = scaled_mm(dy_q, quantize_weight(weight, recipe), torch.float32)
+                    w_q = gathered_fp8(weight) or quantize_weight(weight, recipe)
+                    grad_x = scaled_mm(dy_q, w_q, torch.float32)
                 if need_dw:
                     grad_w = scaled_mm(dy_q.t(), x_q, torch.float32)
             else:
                 x, weight = ctx.saved_tensors
                 if need_dx:
-                    dy_q = _quantize_grad_out(dy, recipe, grad_dtype, wgrad=False)
-                    n = weight.shape[0]
-                    w_q = quantize_blocks(weight, (n, 1)) if recipe == "rowwise" else quantize_weight(weight, recipe)
-                    grad_x = scaled_mm(dy_q, w_q, torch.float32)
+                    grad_x = _dgrad(dy, weight, recipe, grad_dtype)
                 if need_dw:
                     dyt_q = _quantize_grad_out(dy, recipe, grad_dtype, wgrad=True).t()
                     m = x.shape[0]
@@ -301,7 +318,8 @@ def convert_to_fp8_training(
         model: the model to convert (a bare ``nn.Linear`` is returned as a new module).
         config: a recipe name (``"tensorwise"``, ``"rowwise"``, ``"blockwise"``) or an object with attributes
             ``recipe``, ``gradient_format`` (``"e4m3"``/``"e5m2"``/None), ``skip_modules`` (module-name
-            substrings); other attributes (``all_gather``) are ignored here.
+            substrings); ``all_gather`` is applied by ``apply_zero`` (stage 3), see
+            :func:`ds_plugin.precision.fp8_all_gather.enable_fp8_all_gather`.
         module_filter_fn: ``(name, module) -> bool``; when given, decides instead of the output-head rule.
 
     Raises:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ds_plugin.config import TrainingConfig
+from ds_plugin.precision.fp8_all_gather import enable_fp8_all_gather
 from ds_plugin.presets import load_config
 from ds_plugin.zero.mesh import (
     ZeroSetupError,
@@ -114,6 +115,14 @@ def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: l
         "mp_policy": mixed_precision_policy(config),
         "offload_policy": offload,
     }
+    if config.fp8.enabled and config.fp8.all_gather:
+        # Before fully_shard: FSDP2 looks for the all-gather hooks on the tensors it shards.
+        try:
+            stats = enable_fp8_all_gather(model, mesh.size())
+        except ValueError as e:
+            raise ZeroSetupError(str(e)) from None
+        if mesh.get_local_rank() == 0:
+            logger.info(stats.summary())
     # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
     for block in blocks:
         fully_shard(block, **kwargs)
@@ -160,13 +169,16 @@ def apply_zero(
             model's `_no_split_modules`, else the repeated children of its `nn.ModuleList`s.
 
     Raises:
-        ZeroSetupError: the model has no parameters, was already applied, or `block_types` matches nothing.
-        ConfigError: the hpZ group size does not divide the world size, or a value is still "auto".
+        ZeroSetupError: the model has no parameters, was already applied, `block_types` matches nothing, or
+            `fp8.all_gather` finds no `Fp8Linear` layer.
+        ConfigError: the hpZ group size does not divide the world size, a value is still "auto", or
+            `fp8.all_gather` is set without fp8, below stage 3 or with hpZ.
     """
     config = load_config(config)
     _check_model(model, config.stage)
     mesh = data_parallel_mesh(mesh)
     config = resolve_for_world(config, mesh.size())
+    config.check_fp8_all_gather(mesh.size())
     if config.stage >= 2:
         reshard_after_forward(config, mesh.size())  # fail on a bad hpZ size before touching the model
     blocks = find_blocks(model, block_types) if config.stage >= 2 or block_types is not None else []
