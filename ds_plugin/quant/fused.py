@@ -58,9 +58,15 @@ def quantize_rows(rows: Tensor, block: int, bits: int, *, compiled: bool | None 
         that may need ``.contiguous()``), and bf16 scales, ``ceil(numel / block)`` per row, row after row.
     """
     numel = rows.shape[-1]
-    blocks = _as_blocks(rows, block)
+    fn = _pick(_quantize_blocks, rows, compiled)
     # The cap is computed here, outside the compiled graph (it searches fp32 values with a loop).
-    codes, scales = _pick(_quantize_blocks, blocks, compiled)(blocks, bits, max_finite_scale(bits) / 2)
+    cap = max_finite_scale(bits) / 2
+    parts = [fn(_as_blocks(piece, block), bits, cap) for piece in _contiguous_pieces(rows)]
+    if len(parts) == 1:
+        codes, scales = parts[0]
+    else:  # only the (small) results are copied together
+        codes = torch.cat([c.reshape(-1) for c, _ in parts]).view(*rows.shape[:-1], *parts[0][0].shape[-2:])
+        scales = torch.cat([sc for _, sc in parts])
     width = numel if bits == 8 else (numel + 1) // 2
     return codes.flatten(-2)[..., :width], scales
 
@@ -69,20 +75,29 @@ def dequantize_rows_into(out: Tensor, codes: Tensor, scales: Tensor, block: int,
     """Write ``codes * scale`` (INT8 rows from :func:`quantize_rows`) into ``out``, in ``out``'s dtype.
 
     Args:
-        out: ``(n, numel)`` fp32, bf16 or fp16 destination.
-        codes: int8 codes, ``n * numel`` of them.
-        scales: bf16 scales, ``n * ceil(numel / block)`` of them.
+        out: ``(..., numel)`` fp32, bf16 or fp16 destination; any strides along the leading dims (qwZ's
+            two-level gather writes through a transposed view of FSDP2's buffer).
+        codes: int8 codes of the rows in ``out``'s index order, contiguous, ``out.numel()`` of them.
+        scales: bf16 scales in the same order, ``ceil(numel / block)`` per row.
         block: the block size used to quantize.
         compiled: as for :func:`quantize_rows`.
     """
-    n, numel = out.shape
+    numel = out.shape[-1]
+    per_row = -(-numel // block)
     fn = _pick(_dequantize_blocks, out, compiled)
-    if numel % block == 0:
-        fn(out.view(-1, block), codes.view(-1, block), scales)
-        return
-    values = torch.empty(scales.numel(), block, dtype=out.dtype, device=out.device)
-    fn(values, _as_blocks(codes.view(n, numel), block).view(-1, block), scales)
-    out.copy_(values.view(n, -1)[:, :numel])
+    done = 0
+    for piece in _contiguous_pieces(out):
+        rows = piece.numel() // numel
+        piece_codes = codes.view(-1)[done * numel : (done + rows) * numel].view(piece.shape)
+        piece_scales = scales[done * per_row : (done + rows) * per_row]
+        if numel % block == 0:
+            fn(piece.unflatten(-1, (-1, block)), piece_codes.unflatten(-1, (-1, block)), piece_scales)
+        else:
+            blocks = _as_blocks(piece_codes, block)
+            values = torch.empty(blocks.shape, dtype=out.dtype, device=out.device)
+            fn(values, blocks, piece_scales)
+            piece.copy_(values.flatten(-2)[..., :numel])
+        done += rows
 
 
 def dequantize_sum_rows(
@@ -106,6 +121,17 @@ def dequantize_sum_rows(
     own_blocks = _as_blocks(own, block)
     total = _pick(_dequantize_sum_blocks, own, compiled)(grid, scales, own_blocks, me)
     return total.flatten(-2)[..., :numel]
+
+
+def _contiguous_pieces(t: Tensor) -> list[Tensor]:
+    """`t` as contiguous sub-views along its leading dims, in row-major order (`[t]` itself when contiguous).
+
+    Compiled code reads and writes a strided view (a transposed gather buffer, qgZ's by-local-rank chunks) 4x
+    slower than contiguous memory; a few contiguous pieces cost only a few more calls.
+    """
+    if t.is_contiguous() or t.dim() == 1:
+        return [t]
+    return [piece for sub in t.unbind(0) for piece in _contiguous_pieces(sub)]
 
 
 def _as_blocks(rows: Tensor, block: int) -> Tensor:
@@ -150,7 +176,8 @@ def _quantize_blocks(blocks: Tensor, bits: int, scale_cap: float) -> tuple[Tenso
 
 
 def _dequantize_blocks(out: Tensor, codes: Tensor, scales: Tensor) -> None:
-    out.copy_((codes.float() * scales.float().view(-1, 1)).to(out.dtype))
+    # out, codes: (..., blocks, block); scales: one per block, in order.
+    out.copy_((codes.float() * scales.float().view(*codes.shape[:-1], 1)).to(out.dtype))
 
 
 def _dequantize_sum_blocks(packed: Tensor, scales: Tensor, own: Tensor, me: int) -> Tensor:

@@ -84,16 +84,29 @@ class _PlainAlloc:
 
 
 class QuantizedAllGather(_PlainAlloc):
-    """qwZ: FSDP2 all-gather of the weight shards as blockwise INT8 codes plus fp32 scales.
+    """qwZ: FSDP2 all-gather of the weight shards as blockwise INT8 codes plus bf16 scales.
 
     Args:
         block_size: elements per scale (DeepSpeed uses blocks of a few thousand elements).
         stats: shared counters.
+        intra_group / inter_group: this rank's node group and its same-local-index group across nodes. When
+            both are given, a gather over all ranks takes two levels: across nodes first (each shard crosses the
+            node boundary once per remote node, the ZeRO++ paper's 0.5x volume), then inside the node. A flat
+            ring over both nodes would cross the boundary with (world - 1) / world of the codes instead.
     """
 
-    def __init__(self, block_size: int = 4096, stats: ZeroPPStats | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int = 4096,
+        stats: ZeroPPStats | None = None,
+        *,
+        intra_group: dist.ProcessGroup | None = None,
+        inter_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.block_size = block_size
         self.stats = stats if stats is not None else ZeroPPStats()
+        self.intra_group = intra_group
+        self.inter_group = inter_group
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False):
         if input_tensor.dtype not in _FLOATS:
@@ -105,13 +118,39 @@ class QuantizedAllGather(_PlainAlloc):
         # Blocks never straddle ranks: each shard is quantized as whole blocks (zero-padded locally), and only its
         # real codes travel; receivers pad each rank's codes back the same way.
         codes, scales = quantize_rows(input_tensor.view(1, -1), block, 8)
-        all_codes = codes.new_empty(world * shard)
-        all_scales = scales.new_empty(world * scales.numel())
-        _all_gather(all_codes, codes.reshape(-1), group)
-        _all_gather(all_scales, scales, group)
-        dequantize_rows_into(output_tensor.view(world, shard), all_codes, all_scales, block)
+        codes = codes.reshape(-1)
+        if self._two_level(group):
+            # Inter-node first: row n of the result is node n's shard for this local index. Then inside the node:
+            # row j holds local rank j's rows of every node, so rank (n, j) ends at [j, n]: a transposed view of
+            # FSDP2's rank-ordered buffer receives it.
+            local, nodes = dist.get_world_size(self.intra_group), dist.get_world_size(self.inter_group)
+            all_codes, all_scales = _gather_codes(codes, scales, self.inter_group)
+            all_codes, all_scales = _gather_codes(all_codes, all_scales, self.intra_group)
+            out = output_tensor.view(nodes, local, shard).transpose(0, 1)
+        else:
+            all_codes, all_scales = _gather_codes(codes, scales, group)
+            out = output_tensor.view(world, shard)
+        dequantize_rows_into(out, all_codes, all_scales, block)
         self.stats.quantized_all_gathers += 1
         return None
+
+    def _two_level(self, group: dist.ProcessGroup) -> bool:
+        """Whether `group` is the whole job in rank order (hpZ's backward gathers use a node group instead)."""
+        if self.intra_group is None or self.inter_group is None:
+            return False
+        world = dist.get_world_size(group)
+        nodes_x_local = dist.get_world_size(self.intra_group) * dist.get_world_size(self.inter_group)
+        return world == nodes_x_local and dist.get_process_group_ranks(group) == list(range(world))
+
+
+def _gather_codes(codes: Tensor, scales: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """All-gather `codes` and `scales` over `group`, concatenated in the group's rank order."""
+    size = dist.get_world_size(group)
+    all_codes = codes.new_empty(size * codes.numel())
+    all_scales = scales.new_empty(size * scales.numel())
+    _all_gather(all_codes, codes, group)
+    _all_gather(all_scales, scales, group)
+    return all_codes, all_scales
 
 
 class QuantizedReduceScatter(_PlainAlloc):
@@ -243,7 +282,7 @@ def install_zeropp(model: torch.nn.Module, config, mesh) -> ZeroPPStats | None:
     stats = ZeroPPStats()
     intra = inter = None
     world = mesh.size()
-    if zero.zero_quantized_gradients and world == dist.get_world_size():
+    if world == dist.get_world_size():
         per_node = ranks_per_node(world)
         if 1 < per_node < world and world % per_node == 0:
             intra, inter = node_groups(per_node)
@@ -251,7 +290,9 @@ def install_zeropp(model: torch.nn.Module, config, mesh) -> ZeroPPStats | None:
         if not isinstance(module, FSDPModule):
             continue
         if zero.zero_quantized_weights:
-            module.set_custom_all_gather(QuantizedAllGather(zero.zero_quantized_weights_block_size, stats))
+            module.set_custom_all_gather(
+                QuantizedAllGather(zero.zero_quantized_weights_block_size, stats, intra_group=intra, inter_group=inter)
+            )
         if zero.zero_quantized_gradients:
             module.set_custom_reduce_scatter(
                 QuantizedReduceScatter(

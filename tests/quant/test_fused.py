@@ -124,3 +124,17 @@ def test_compile_choice_follows_size_and_environment(monkeypatch):
     assert not fused._want_compiled(large)
     monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "1")
     assert fused._want_compiled(small)
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("numel", [256, 250])
+def test_dequantize_into_transposed_view(compiled, numel):
+    # qwZ's two-level gather receives rank (node, local) at [local, node] and writes through a transposed view.
+    nodes, local, block = 2, 3, 64
+    x = torch.randn(local, nodes, numel).bfloat16()
+    codes, scales = fused.quantize_rows(x, block, 8, compiled=False)
+    buffer = torch.zeros(nodes, local, numel, dtype=torch.bfloat16)
+    fused.dequantize_rows_into(buffer.transpose(0, 1), codes.contiguous(), scales, block, compiled=compiled)
+    want = torch.empty(local, nodes, numel, dtype=torch.bfloat16)
+    fused.dequantize_rows_into(want, codes.contiguous(), scales, block, compiled=False)
+    assert torch.equal(buffer, want.transpose(0, 1))

@@ -22,6 +22,16 @@ def _worker(rank: int, world: int) -> dict:
             dist.all_gather_into_tensor(exact, x)  # the reference: the exact collective
             got = torch.empty_like(exact)
             QuantizedAllGather(block_size=256)(got, x, dist.group.WORLD)
+            # Across nodes first, then inside: the same codes and scales end in the same places.
+            two_level = torch.empty_like(exact)
+            QuantizedAllGather(block_size=256, intra_group=intra, inter_group=inter)(two_level, x, dist.group.WORLD)
+            results[f"ag_two_level_equal_{dtype}_{shard}"] = torch.equal(two_level, got)
+            # hpZ's backward gather runs in the node group: it must stay one level, inside the node.
+            in_node = torch.empty(2 * shard, dtype=dtype)
+            QuantizedAllGather(block_size=256, intra_group=intra, inter_group=inter)(in_node, x, intra)
+            node = rank // 2
+            mine = got[2 * node * shard : 2 * (node + 1) * shard]
+            results[f"ag_in_node_{dtype}_{shard}"] = torch.equal(in_node, mine)
             blocks = exact.float().view(world, shard)
             step = blocks.abs().amax(dim=1, keepdim=True) / 127
             err = (got.float().view(world, shard) - blocks).abs()
