@@ -8,7 +8,7 @@ How bytes are counted: the comms logger's wire convention, i.e. what one rank se
 (all-gather: (n-1) x input; reduce-scatter: (n-1) x output; all-to-all: the input minus the chunk the rank
 keeps; all-reduce: 2(n-1)/n x tensor), summed over all collectives of the step on rank 0 (every rank sends the
 same amount). A collective whose group holds ranks of both nodes counts as inter-node in full; one whose group
-stays inside a node counts as intra-node. Quantized collectives count their INT8/INT4 codes and fp32 scales.
+stays inside a node counts as intra-node. Quantized collectives count their INT8/INT4 codes and bf16 scales.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def run(n_layer: int = 4, n_embd: int = 256, seq: int = 128, steps: int = 2, tim
         "bytes_counted_as": (
             "bytes one rank sends per step under a ring algorithm (all-gather (n-1)x input, reduce-scatter "
             "(n-1)x output, all-to-all input minus the kept chunk), rank 0, forward + backward; a collective whose "
-            "group spans both nodes counts as inter-node in full; quantized collectives count codes + fp32 scales"
+            "group spans both nodes counts as inter-node in full; quantized collectives count codes + bf16 scales"
         ),
         "configs": configs,
         "ratios": ratios,
