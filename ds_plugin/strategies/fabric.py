@@ -36,7 +36,7 @@ from typing_extensions import override
 from ds_plugin.config import TrainingConfig
 from ds_plugin.strategies import _checkpoint, _config, _model
 from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
-from ds_plugin.strategies.registry import register_names
+from ds_plugin.strategies.registry import register_lightning_strategies, register_names
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine, initialize
 from ds_plugin.zero.mesh import data_parallel_mesh
@@ -293,3 +293,8 @@ class ZeroFabricStrategy(DDPStrategy, _BackwardSyncControl):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
+
+
+# `import ds_plugin` registers the names as soon as Lightning loads. When this module is what made Lightning
+# load, that attempt ran before the class above existed and could not finish; registering here completes it.
+register_lightning_strategies()

@@ -243,3 +243,29 @@ def test_loading_something_that_is_not_a_checkpoint(tmp_path) -> None:
     with pytest.raises(CheckpointError) as exc:
         _checkpoint.load_engine_checkpoint(ckpt, engine=None, optimizer=True)
     assert "is not a directory" in one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        "import ds_plugin; assert 'lightning' not in sys.modules, 'import ds_plugin imported lightning'",
+        "import lightning.pytorch; import ds_plugin",
+        # The adapter module itself is what loads Lightning here.
+        "import ds_plugin; ds_plugin.strategies.ZeroFabricStrategy",
+    ],
+    ids=["ds_plugin_first", "lightning_first", "adapter_first"],
+)
+def test_names_registered_in_any_import_order(order: str) -> None:
+    # `import ds_plugin` alone must not import Lightning (3 s per CLI call), yet `Trainer(strategy="zeropp")` and
+    # `Fabric(strategy="zero2")` must find the names whichever package is imported first.
+    code = (
+        f"import sys; {order}; "
+        "from lightning.pytorch import Trainer; from lightning.fabric import Fabric; "
+        "from ds_plugin.strategies import ZeroFabricStrategy, ZeroStrategy; "
+        "t = Trainer(strategy='zeropp', accelerator='cpu', devices=1, logger=False); "
+        "assert isinstance(t.strategy, ZeroStrategy), type(t.strategy); "
+        "f = Fabric(strategy='zero2', accelerator='cpu', devices=1); "
+        "assert isinstance(f.strategy, ZeroFabricStrategy), type(f.strategy); print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
