@@ -22,6 +22,12 @@ def test_fp8_plugin_swaps_layers_and_trains(fp8: dict) -> None:
     assert fp8["finite"] and len(fp8["losses"]) == 3
 
 
+def test_fp8_all_gather_through_the_plugin_trains_alike(fp8: dict) -> None:
+    # Tensorwise codes gathered as fp8 are the ones the layer would have made from the bf16 weight.
+    assert fp8["fp8_gathers"] > 0, "the fp8 gather never ran"
+    assert fp8["all_gather_losses"] == fp8["losses"]
+
+
 def test_fp8_without_eligible_layers_is_one_line(fp8: dict) -> None:
     message = fp8["no_eligible_error"]
     assert "\n" not in message

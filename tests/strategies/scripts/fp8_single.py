@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 from _tiny_lightning import LossRecorder, TinyMLP, regression_loader, run, trainer
 
+from ds_plugin.precision import fp8_all_gather_stats
 from ds_plugin.precision.fp8_linear import Fp8Linear
 from ds_plugin.strategies import Fp8Precision
 
@@ -29,6 +30,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "fp8": {"enabled": cfg.fp8.enabled, "recipe": cfg.fp8.recipe},
         "compute_dtype": cfg.compute_dtype,
     }
+    # The same run with the weights gathered as fp8 (a one-rank "gather" still takes the fp8 path).
+    pl.seed_everything(0, verbose=False)
+    gathered = LossRecorder()
+    plugin = Fp8Precision(all_gather=True)
+    gathered_module = TinyMLP(width=16)
+    trainer("zero3", devices=1, max_steps=3, plugins=plugin, callbacks=[gathered]).fit(
+        gathered_module, regression_loader()
+    )
+    out["all_gather_losses"] = gathered.losses
+    stats = [fp8_all_gather_stats(m) for m in gathered_module.modules()]
+    out["fp8_gathers"] = sum(s.fp8_gathers for s in stats if s is not None)
     try:
         trainer("zero3", devices=1, max_steps=1, plugins=Fp8Precision()).fit(TinyMLP(width=10), regression_loader())
     except ValueError as e:
