@@ -1,4 +1,4 @@
-"""The strategies' model preparation around `apply_zero`: FP8 layers, rank 0's weights, the blocks to shard,
+"""The strategies' model preparation around `apply_zero`: FP8 layers, rank 0's weights,
 meta-device materialisation, and LR schedulers that follow a rebuilt optimizer.
 
 Shared by the Lightning Trainer and Fabric adapters; each function maps a framework situation onto the engine.
@@ -10,12 +10,11 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ds_plugin.config import TrainingConfig
 
-__all__ = ["block_types_for", "has_meta", "hf_models", "materialize", "prepare_model", "repoint_scheduler"]
+__all__ = ["has_meta", "hf_models", "materialize", "prepare_model", "repoint_scheduler"]
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -25,16 +24,6 @@ def has_meta(module: nn.Module) -> bool:
         module: any module.
     """
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
-@torch.no_grad()
-def _broadcast_states(module: nn.Module, device: torch.device) -> None:
-    # DDP's sync_module_states: every rank starts from rank 0's weights, so an unseeded init cannot diverge.
-    for t in (*module.parameters(), *module.buffers()):
-        buf = t.detach().to(device)
-        dist.broadcast(buf, src=0)
-        if buf.data_ptr() != t.data_ptr():
-            t.detach().copy_(buf)
 
 
 def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -54,24 +43,6 @@ def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _block_types(module: nn.Module) -> list[str] | None:
-    # apply_zero reads `_no_split_modules` on the root only; a LightningModule wraps the transformers model.
-    present = {type(m).__name__ for m in module.modules()}
-    names = {n for m in module.modules() for n in (getattr(m, "_no_split_modules", None) or ()) if n in present}
-    return sorted(names) or None
-
-
-def _init_weights(model: nn.Module) -> None:
-    # materialize_'s default initialises a transformers model only at the root; a LightningModule wraps one.
-    inside: set[int] = set()
-    for _, hf in hf_models(model):
-        hf.apply(hf._init_weights)  # children first, as transformers' post_init does
-        inside.update(id(m) for m in hf.modules())
-    for m in model.modules():
-        if id(m) not in inside and callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-
-
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate and initialise a meta-device model (only the local shards once it is sharded).
 
@@ -81,21 +52,11 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     """
     from ds_plugin.zero.init import materialize_
 
-    materialize_(module, device=device, init_fn=_init_weights if hf_models(module) else None)
+    materialize_(module, device=device)
 
 
-def block_types_for(module: nn.Module, block_types: Any) -> Any:
-    """The blocks to shard separately: the user's choice, else the transformers models' `_no_split_modules`.
-
-    Args:
-        module: the model about to be sharded.
-        block_types: the strategy's `block_types` argument (None = automatic).
-    """
-    return block_types or _block_types(module)
-
-
-def prepare_model(module: nn.Module, config: TrainingConfig, *, device: torch.device, sync_module_states: bool) -> bool:
-    """Before `apply_zero`: FP8 layers, then rank 0's weights on every rank. Returns whether the model is still
+def prepare_model(module: nn.Module, config: TrainingConfig, *, device: torch.device) -> bool:
+    """Before `apply_zero`: FP8 layers (`apply_zero` then copies rank 0's weights). Returns whether the model is still
     on the meta device (built under `ds_plugin.zero.init.meta_init`): then `materialize` it after sharding,
     so each rank allocates and initialises only its shards.
 
@@ -103,7 +64,6 @@ def prepare_model(module: nn.Module, config: TrainingConfig, *, device: torch.de
         module: the model (a LightningModule or the module Fabric sets up).
         config: the resolved config.
         device: this rank's device.
-        sync_module_states: broadcast rank 0's weights first (skipped for meta-device models).
 
     Raises:
         ValueError: FP8 was asked for but no layer is eligible, or the model was sharded before FP8 was applied.
@@ -129,8 +89,6 @@ def prepare_model(module: nn.Module, config: TrainingConfig, *, device: torch.de
     if meta and config.stage < 2:
         materialize(module, device)  # stages 0/1 keep whole weights on every rank anyway
         meta = False
-    if sync_module_states and not meta and dist.get_world_size() > 1:
-        _broadcast_states(module, device)
     return meta
 
 

@@ -136,11 +136,16 @@ class ZeroFabricStrategy(DDPStrategy, _BackwardSyncControl):
         )
         # A user optimizer was built on the unsharded parameters: `initialize` applies ZeRO and maps it across.
         applied = is_zero_applied(module)
-        meta = _model.prepare_model(
-            module, config, device=self.root_device, sync_module_states=self._sync_module_states
+        meta = _model.prepare_model(module, config, device=self.root_device)
+        block_types = None if applied else self._block_types
+        self._engine = initialize(
+            module,
+            config,
+            optimizer=optimizer,
+            mesh=self._mesh,
+            block_types=block_types,
+            sync_module_states=self._sync_module_states,
         )
-        block_types = None if applied else _model.block_types_for(module, self._block_types)
-        self._engine = initialize(module, config, optimizer=optimizer, mesh=self._mesh, block_types=block_types)
         if meta:
             _model.materialize(module, self.root_device)
         return self._engine

@@ -161,11 +161,15 @@ class ZeroStrategy(DDPStrategy):
         if config.ignored_keys():
             rank_zero_info(f"ZeroStrategy: config keys without effect here: {', '.join(config.ignored_keys())}")
         applied = is_zero_applied(module)  # by `configure_model`, or by an earlier fit/validate of this Trainer
-        meta = _model.prepare_model(
-            module, config, device=self.root_device, sync_module_states=self._sync_module_states
-        )
+        meta = _model.prepare_model(module, config, device=self.root_device)
         if not applied:
-            apply_zero(module, config, mesh=self._mesh, block_types=_model.block_types_for(module, self._block_types))
+            apply_zero(
+                module,
+                config,
+                mesh=self._mesh,
+                block_types=self._block_types,
+                sync_module_states=self._sync_module_states,
+            )
         if meta:
             _model.materialize(module, self.root_device)
         self.model_to_device()

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -23,6 +24,7 @@ from ds_plugin.presets import load_config
 from ds_plugin.zero.mesh import (
     ZeroSetupError,
     data_parallel_mesh,
+    mesh_device,
     reshard_after_forward,
     resolve_for_world,
     torch_dtype,
@@ -134,6 +136,27 @@ def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: l
     install_zeropp(model, config, mesh)
 
 
+@torch.no_grad()
+def broadcast_module_states(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Copy the mesh's first rank's parameters and buffers to every rank (DDP's and DeepSpeed's init sync).
+
+    Without it, ranks that built the model from different seeds would train different replicas (stages 0/1)
+    or stitch one model from different inits (stages 2/3), silently.
+
+    Args:
+        module: the model, on any device (each tensor travels through the mesh's device and back).
+        mesh: the 1-D data-parallel mesh.
+    """
+    group = mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    device = mesh_device(mesh)
+    for t in (*module.parameters(), *module.buffers()):
+        buf = t.detach().to(device)
+        dist.broadcast(buf, src=src, group=group)
+        if buf.data_ptr() != t.data_ptr():
+            t.detach().copy_(buf)
+
+
 def _replicate(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh) -> None:
     master_device = torch.device("cpu") if _wants_offload(config, mesh) else None
     ReplicatedState(
@@ -153,6 +176,7 @@ def apply_zero(
     *,
     mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
+    sync_module_states: bool = True,
 ) -> nn.Module:
     """Make `model` a ZeRO model for the config's stage, in place, and return it.
 
@@ -166,7 +190,10 @@ def apply_zero(
         config: a `TrainingConfig`, a DeepSpeed config dict or the path to one.
         mesh: the 1-D data-parallel mesh; default all ranks of the initialized process group.
         block_types: module classes or class names to shard as separate units (stage 2/3); default the
-            model's `_no_split_modules`, else the repeated children of its `nn.ModuleList`s.
+            `_no_split_modules` of the model or of a transformers model inside it, else the repeated children of
+            its `nn.ModuleList`s.
+        sync_module_states: first copy the first rank's weights and buffers to every rank, as DDP and
+            DeepSpeed do (skipped for a meta-device model, which `materialize_` initialises alike everywhere).
 
     Raises:
         ZeroSetupError: the model has no parameters, was already applied, `block_types` matches nothing, or
@@ -182,6 +209,9 @@ def apply_zero(
     if config.stage >= 2:
         reshard_after_forward(config, mesh.size())  # fail on a bad hpZ size before touching the model
     blocks = find_blocks(model, block_types) if config.stage >= 2 or block_types is not None else []
+    # A meta-device model has nothing to send: `materialize_` initialises it the same on every rank.
+    if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):
+        broadcast_module_states(model, mesh)
     if config.compute_dtype != "fp32":
         _upcast_masters(model)
     if config.stage >= 2:

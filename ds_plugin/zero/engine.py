@@ -365,6 +365,7 @@ def initialize(
     *,
     mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
+    sync_module_states: bool = True,
 ) -> ZeroEngine:
     """DeepSpeed's `initialize`: apply ZeRO to the model, put the optimizer on its master shards.
 
@@ -376,12 +377,13 @@ def initialize(
             param-group hyper-parameters; build LR schedulers on `engine.optimizer`).
         mesh: the 1-D data-parallel mesh; default all ranks.
         block_types: blocks to shard separately (see `apply_zero`).
+        sync_module_states: start every rank from the first rank's weights (see `apply_zero`).
     """
     config = load_config(config)
     originals = {id(p): name for name, p in model.named_parameters()}
     if not is_zero_applied(model):
         mesh = data_parallel_mesh(mesh)
-        model = apply_zero(model, config, mesh=mesh, block_types=block_types)
+        model = apply_zero(model, config, mesh=mesh, block_types=block_types, sync_module_states=sync_module_states)
     engine = ZeroEngine(model, config, mesh=mesh)
     if optimizer is not None:
         if engine._replicated is not None:

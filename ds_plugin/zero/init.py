@@ -9,12 +9,13 @@ One parameter's full tensor exists at a time; DeepSpeed's zero.Init holds one mo
 index of a sharded parameter (`weight[i].zero_()`) land in a gathered copy and are lost; the one the default
 schemes make, an embedding's padding row, is redone on the shard; a custom `init_fn` must avoid them.
 
-What "the model's own initialisation" is: the `init_fn` passed in; else, for a transformers model, its
-`_init_weights` on every module (children first, as `post_init` does); else every module's
-`reset_parameters()`. A plain `nn.Module` whose layers initialise themselves in `reset_parameters` gets exactly
-the weights eager construction with the same seed gives. A transformers model does not: eager construction
-first draws the default initialisation of every layer and `post_init` then overwrites it, so the generator
-has moved on; the weights here are those of `post_init` run on a fresh seed, identical at every world size.
+What "the model's own initialisation" is: the `init_fn` passed in; else, for a transformers model (the root or
+any outermost one inside it), its `_init_weights` on every module (children first, as `post_init` does), and
+for every module outside such models its `reset_parameters()`. A plain `nn.Module` whose layers initialise
+themselves in `reset_parameters` gets exactly the weights eager construction with the same seed gives. A
+transformers model does not: eager construction first draws the default initialisation of every layer and
+`post_init` then overwrites it, so the generator has moved on; the weights here are those of `post_init` run
+on a fresh seed, identical at every world size.
 """
 
 from __future__ import annotations
@@ -147,13 +148,17 @@ def _zero_padding_rows(model: nn.Module) -> None:
 
 
 def _default_init(model: nn.Module) -> None:
-    if _is_hf_model(model):
-        _hf_init(model, model)
-    else:
-        for module in model.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+    # Each outermost transformers model, the root or one a wrapper holds (a LightningModule, a peft model),
+    # initialises as its post_init would; every module outside them resets itself.
+    inside: set[int] = set()
+    for module in model.modules():  # outer before inner
+        if id(module) not in inside and _is_hf_model(module):
+            _hf_init(module, module)
+            inside.update(id(m) for m in module.modules())
+    for module in model.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if id(module) not in inside and callable(reset):
+            reset()
     _zero_padding_rows(model)
 
 

@@ -68,8 +68,9 @@ def find_blocks(model: nn.Module, block_types: BlockTypes | None = None) -> list
 
     Args:
         model: the model (the root itself is never returned; it is sharded last, on its own).
-        block_types: module classes or class names to wrap. None picks them automatically: the model's
-            `_no_split_modules` (transformers), else the repeated children of each `nn.ModuleList`.
+        block_types: module classes or class names to wrap. None picks them automatically: the
+            `_no_split_modules` of the model or of any transformers model inside it, else the repeated children
+            of each `nn.ModuleList`.
 
     Raises:
         ZeroSetupError: `block_types` was given but no submodule matches it.
@@ -85,7 +86,9 @@ def find_blocks(model: nn.Module, block_types: BlockTypes | None = None) -> list
                 f"block_types: no submodule is a {asked}; use one of the model's module classes ({shown})"
             )
         return blocks
-    no_split = getattr(model, "_no_split_modules", None) or ()
+    # Read from every submodule, not only the root: a wrapper (a LightningModule, a peft model, a user's module
+    # around a transformers model) holds the model that declares them.
+    no_split = sorted({name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())})
     if no_split:
         blocks = _by_type(model, list(no_split))
         if blocks:

@@ -539,6 +539,26 @@ def test_materialize_plain_model_matches_eager_construction():
         assert torch.equal(a, b), name
 
 
+def test_materialize_wrapped_transformers_model_uses_its_own_init():
+    # A wrapper (a LightningModule, a user's module) around a transformers model: the model inside initialises
+    # as it would at the root (post_init's scheme, same seed -> same weights), the wrapper's own layers reset.
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = gpt2()
+            self.extra = nn.Linear(4, 4)
+
+    with meta_init():
+        alone = gpt2()
+        wrapped = Wrapper()
+    materialize_(alone, seed=7)
+    materialize_(wrapped, seed=7)
+    for (name, a), (_, b) in zip(alone.named_parameters(), wrapped.lm.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert not any(p.is_meta for p in wrapped.extra.parameters())
+    assert wrapped.extra.weight.abs().max() <= 0.5  # Linear(4, 4)'s reset bound is 1/sqrt(4)
+
+
 def test_find_blocks():
     assert [type(b).__name__ for b in find_blocks(gpt2())] == ["GPT2Block", "GPT2Block"]
 
@@ -554,6 +574,14 @@ def test_find_blocks():
     assert find_blocks(net, block_types="Sequential") == list(net.layers)
     with pytest.raises(ZeroSetupError, match="no submodule is a Conv2d"):
         find_blocks(net, block_types=[nn.Conv2d])
+
+    class Wrapper(nn.Module):  # a user's (or Lightning's, or peft's) module around a transformers model
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])  # what the fallback would also take
+            self.lm = gpt2()
+
+    assert [type(b).__name__ for b in find_blocks(Wrapper())] == ["GPT2Block", "GPT2Block"]
 
 
 def test_clip_grad_norm_single_process_matches_torch():
@@ -576,3 +604,25 @@ def test_stepped_optimizer_cannot_be_rebuilt():
     opt.step()
     with pytest.raises(ZeroSetupError, match="already stepped"):
         build_optimizer(opt, [nn.Parameter(torch.ones(2))], {id(p): nn.Parameter(torch.ones(2))})
+
+
+def _unseeded_ranks(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 3):
+        for sync in (True, False):
+            torch.manual_seed(100 + rank)  # every rank draws a different init, as an unseeded script would
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            rank0_init = [p.detach().clone() for p in model.parameters()]
+            torch.distributed.broadcast_object_list(rank0_init, src=0)  # what rank 0 drew
+            apply_zero(model, zero_config(stage), sync_module_states=sync)
+            got = list(full_params(model).values())
+            out[(stage, sync)] = all(torch.equal(a, b) for a, b in zip(got, rank0_init, strict=True))
+    return out
+
+
+def test_every_rank_starts_from_rank0_weights():
+    # DDP and DeepSpeed copy rank 0's weights at setup; without it, stage 0/1 replicas would silently diverge.
+    for rank, res in enumerate(run_ranks(_unseeded_ranks, 2, timeout=120)):
+        assert res[(1, True)] and res[(3, True)], res
+        if rank == 1:  # with the copy turned off, rank 1 keeps (stage 1) or contributes (stage 3) its own draw
+            assert not res[(1, False)] and not res[(3, False)], res
