@@ -45,9 +45,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# Scales travel as bf16 (rounded up, so codes never clip): with the small qgZ blocks that INT4 needs to train
-# like ZeRO-3, fp32 scales would add 12.5% to the gradient bytes; bf16 scales add 6%.
-SCALE_DTYPE = torch.bfloat16
 
 
 @dataclasses.dataclass
