@@ -1,0 +1,151 @@
+"""Model setup around the engine: meta-device init and materialisation, block discovery, rank-0 weight sync,
+global-norm clipping, and the one-line errors of setup without a process group or with a stepped optimizer.
+
+Most checks need no process group and run in the test process; the weight sync spawns 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import pytest
+import torch
+from _dist import run_ranks
+from _tiny import full_params, gpt2, zero_config
+from torch import nn
+
+from ds_plugin.zero.apply import apply_zero
+from ds_plugin.zero.init import materialize_, meta_init
+from ds_plugin.zero.mesh import ZeroSetupError
+from ds_plugin.zero.optimizer import build_optimizer, clip_grad_norm_
+from ds_plugin.zero.wrap import find_blocks
+
+# ---------------------------------------------------------------------------------------------- no process group
+
+
+def test_apply_zero_without_process_group_says_how_to_start_one():
+    with pytest.raises(ZeroSetupError, match="init_process_group") as info:
+        apply_zero(nn.Linear(2, 2), zero_config(3))
+    assert "\n" not in str(info.value)
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def test_meta_init_allocates_nothing():
+    make = lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # noqa: E731  (128 MiB of fp32)
+    warm = make()  # kept alive: the builds below cannot reuse its (resident) memory
+    before = _rss_bytes()
+    with meta_init():
+        lazy = make()
+    grown_meta = _rss_bytes() - before
+    before = _rss_bytes()
+    eager = make()
+    grown_eager = _rss_bytes() - before
+    assert all(p.is_meta for p in lazy.parameters()) and not any(p.is_meta for p in eager.parameters())
+    assert grown_eager > 100 * 2**20, "the measurement does not see real allocations"
+    assert grown_meta < 8 * 2**20, f"meta build grew the process by {grown_meta / 2**20:.1f} MiB"
+    del warm
+
+
+def test_materialize_plain_model_matches_eager_construction():
+    make = lambda: nn.Sequential(nn.Linear(8, 32), nn.Embedding(10, 32), nn.Linear(32, 4))  # noqa: E731
+    torch.manual_seed(4)
+    eager = make()
+    with meta_init():
+        lazy = make()
+    materialize_(lazy, seed=4)
+    for (name, a), (_, b) in zip(eager.named_parameters(), lazy.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_materialize_wrapped_transformers_model_uses_its_own_init():
+    # A wrapper (a LightningModule, a user's module) around a transformers model: the model inside initialises
+    # as it would at the root (post_init's scheme, same seed -> same weights), the wrapper's own layers reset.
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = gpt2()
+            self.extra = nn.Linear(4, 4)
+
+    with meta_init():
+        alone = gpt2()
+        wrapped = Wrapper()
+    materialize_(alone, seed=7)
+    materialize_(wrapped, seed=7)
+    for (name, a), (_, b) in zip(alone.named_parameters(), wrapped.lm.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert not any(p.is_meta for p in wrapped.extra.parameters())
+    assert wrapped.extra.weight.abs().max() <= 0.5  # Linear(4, 4)'s reset bound is 1/sqrt(4)
+
+
+def test_find_blocks():
+    assert [type(b).__name__ for b in find_blocks(gpt2())] == ["GPT2Block", "GPT2Block"]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 4)
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(3)])
+
+    net = Net()
+    assert find_blocks(net) == list(net.layers)
+    assert find_blocks(net, block_types=[nn.Linear]) == [net.stem, *[layer[0] for layer in net.layers]]
+    assert find_blocks(net, block_types="Sequential") == list(net.layers)
+    with pytest.raises(ZeroSetupError, match="no submodule is a Conv2d"):
+        find_blocks(net, block_types=[nn.Conv2d])
+
+    class Wrapper(nn.Module):  # a user's (or Lightning's, or peft's) module around a transformers model
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])  # what the fallback would also take
+            self.lm = gpt2()
+
+    assert [type(b).__name__ for b in find_blocks(Wrapper())] == ["GPT2Block", "GPT2Block"]
+
+
+def test_clip_grad_norm_single_process_matches_torch():
+    torch.manual_seed(0)
+    a, b = nn.Linear(5, 7), nn.Linear(5, 7)
+    a(torch.randn(3, 5)).pow(2).sum().backward()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        pb.grad = pa.grad.clone()
+    want = nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+    got = clip_grad_norm_(list(b.parameters()), 0.1)
+    assert torch.allclose(got, want)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa.grad, pb.grad)
+
+
+def test_stepped_optimizer_cannot_be_rebuilt():
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(2)
+    opt.step()
+    with pytest.raises(ZeroSetupError, match="already stepped"):
+        build_optimizer(opt, [nn.Parameter(torch.ones(2))], {id(p): nn.Parameter(torch.ones(2))})
+
+
+def _unseeded_ranks(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 3):
+        for sync in (True, False):
+            torch.manual_seed(100 + rank)  # every rank draws a different init, as an unseeded script would
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            rank0_init = [p.detach().clone() for p in model.parameters()]
+            torch.distributed.broadcast_object_list(rank0_init, src=0)  # what rank 0 drew
+            apply_zero(model, zero_config(stage), sync_module_states=sync)
+            got = list(full_params(model).values())
+            out[(stage, sync)] = all(torch.equal(a, b) for a, b in zip(got, rank0_init, strict=True))
+    return out
+
+
+def test_every_rank_starts_from_rank0_weights():
+    # DDP and DeepSpeed copy rank 0's weights at setup; without it, stage 0/1 replicas would silently diverge.
+    for rank, res in enumerate(run_ranks(_unseeded_ranks, 2, timeout=120)):
+        assert res[(1, True)] and res[(3, True)], res
+        if rank == 1:  # with the copy turned off, rank 1 keeps (stage 1) or contributes (stage 3) its own draw
+            assert not res[(1, False)] and not res[(3, False)], res
