@@ -164,6 +164,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     sent = _tx_bytes(ifname) - tx_start if local_rank == 0 else 0
     stats = info.pop("stats", None)
     mine = {"times": times, "cpu_times": cpu_times, "tx_bytes": sent, "stats": None if stats is None else vars(stats)}
+    if stats is not None:  # ds_plugin's ZeRO++: say whether its quantizers ran compiled or eager
+        from ds_plugin.quant.fused import compile_report
+
+        info["quantizer_rank0"] = compile_report()
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank != 0:

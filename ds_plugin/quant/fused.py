@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ds_plugin.quant.blockwise import max_finite_scale
 
-__all__ = ["COMPILE_MIN_NUMEL", "dequantize_rows_into", "dequantize_sum_rows", "quantize_rows"]
+__all__ = ["COMPILE_MIN_NUMEL", "compile_report", "dequantize_rows_into", "dequantize_sum_rows", "quantize_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,17 @@ def dequantize_sum_rows(
     own_blocks = _as_blocks(own, block)
     total = _pick(_dequantize_sum_blocks, own, compiled)(grid, scales, own_blocks, me)
     return total.flatten(-2)[..., :numel]
+
+
+def compile_report() -> dict[str, object]:
+    """Which form the steps took in this process, for benchmark reports: the setting, the size rule, and the
+    steps that ran compiled or whose compile failed (and so ran eager)."""
+    return {
+        "setting": os.environ.get(_ENV, "auto"),
+        "compile_min_numel": COMPILE_MIN_NUMEL,
+        "compiled_steps": sorted(fn.__name__ for fn in _COMPILED_RUNS),
+        "compile_failed": sorted(fn.__name__ for fn in _COMPILE_FAILED),
+    }
 
 
 def _contiguous_pieces(t: Tensor) -> list[Tensor]:
@@ -234,7 +245,9 @@ def _compiled(fn: Callable) -> Callable:
             for dim in dims:
                 torch._dynamo.mark_static(args[index], dim % args[index].dim())
         try:
-            return compiled(*args)
+            result = compiled(*args)
+            _COMPILED_RUNS.add(fn)
+            return result
         except Exception as exc:  # a missing compiler or an unsupported platform must not stop training
             _COMPILE_FAILED.add(fn)
             logger.warning(
@@ -250,3 +263,4 @@ def _compiled(fn: Callable) -> Callable:
 
 
 _COMPILE_FAILED: set[Callable] = set()
+_COMPILED_RUNS: set[Callable] = set()

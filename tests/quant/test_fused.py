@@ -138,3 +138,11 @@ def test_dequantize_into_transposed_view(compiled, numel):
     want = torch.empty(local, nodes, numel, dtype=torch.bfloat16)
     fused.dequantize_rows_into(want, codes.contiguous(), scales, block, compiled=False)
     assert torch.equal(buffer, want.transpose(0, 1))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_compile_report_names_the_steps_that_ran_compiled():
+    fused.quantize_rows(torch.randn(2, 128), 64, 8, compiled=True)
+    report = fused.compile_report()
+    assert "_quantize_blocks" in report["compiled_steps"]
+    assert report["compile_failed"] == [] and report["compile_min_numel"] == fused.COMPILE_MIN_NUMEL
