@@ -6,9 +6,9 @@ them in fp32. Written as chains of plain torch ops (as :mod:`ds_plugin.quant.blo
 eight or so passes over memory, about 8-15 ns per element on one CPU core: on a 1 Gbit/s link that is more
 time than the bytes it saves. ``torch.compile`` turns each step into one vectorized loop, 10-15x faster on one
 core (0.7-3 G elements/s); ``ds-plugin bench slow-link`` went from 0.54x to 1.9x ZeRO-3's speed with it. On
-CUDA the same steps compile to Triton kernels through inductor (the hand-written kernels of
-:mod:`ds_plugin.kernels.quant_triton` make fp32 scales only, and ZeRO++ sends bf16 ones). No GPU has run this
-path in the project yet; if compiling fails there, the eager form runs, as on CPU.
+CUDA the eager form runs: its passes cost microseconds at GPU memory bandwidth, and it keeps IEEE division
+(inductor's Triton code may divide approximately, which would break bit-identity with the reference; no GPU has
+checked it here).
 
 The functions here are the *same* math as the blockwise reference, op for op (scales rounded up to bf16, zero
 blocks get scale 1, non-finite blocks get a nan scale and zero codes, round half to even, INT4 packed with
@@ -16,16 +16,15 @@ element ``2i`` in the low nibble), so the eager and compiled forms agree bit for
 :func:`~ds_plugin.quant.blockwise.quantize_blockwise` and with each other; tests check both.
 
 When to compile: compiling costs seconds once per process (then the on-disk inductor cache makes it faster),
-so by default only buckets of at least :data:`COMPILE_MIN_NUMEL` elements take the compiled form: tiny
+so by default only CPU buckets of at least :data:`COMPILE_MIN_NUMEL` elements take the compiled form: tiny
 test models stay eager, large models pay once and win on every step. ``DS_PLUGIN_QUANT_COMPILE=1`` compiles
-every bucket, ``=0`` none. If compiling fails (no C++ compiler, an unsupported platform), the eager form
+every CPU bucket, ``=0`` none. If compiling fails (no C++ compiler, an unsupported platform), the eager form
 runs and one warning says why.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -222,9 +221,7 @@ def _pick(fn: Callable, t: Tensor, compiled: bool | None) -> Callable:
 
 
 def _want_compiled(t: Tensor) -> bool:
-    if t.device.type not in ("cpu", "cuda"):
-        return False
-    if t.device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if t.device.type != "cpu":
         return False
     setting = os.environ.get(_ENV, "auto").strip().lower()
     if setting in ("0", "false", "off"):
