@@ -212,16 +212,25 @@ def _all_to_all_sum(chunks: Tensor, block_size: int, group: dist.ProcessGroup) -
     """
     numel = chunks.shape[-1]
     block = _block_for(numel, block_size)
+    peers, me = chunks.shape[0], dist.get_rank(group)
+    if peers == 1:  # nothing to exchange
+        return chunks[0].float()
+    # This rank's own chunk never crosses the wire and is summed exact (which removes 1/peers of the rounding
+    # noise), so it is not quantized at all: its slot in the send buffer is zeros.
     # Inf/nan blocks get a nan scale, so an fp16 overflow survives the trip and the loss scaler still sees it.
-    packed, scales = quantize_rows(chunks, block, 4)
-    send = packed.contiguous()
+    rows = [quantize_rows(chunks[i], block, 4) for i in range(peers) if i != me]
+    send = rows[0][0].new_empty((peers, *rows[0][0].shape))
+    send_scales = rows[0][1].new_empty((peers, rows[0][1].numel()))
+    send[me].zero_()
+    send_scales[me].zero_()
+    for i, (codes, scales) in zip((i for i in range(peers) if i != me), rows, strict=True):
+        send[i].copy_(codes)
+        send_scales[i].copy_(scales)
     recv_packed = torch.empty_like(send)
-    recv_scales = torch.empty_like(scales)
+    recv_scales = torch.empty_like(send_scales)
     dist.all_to_all_single(recv_packed, send, group=group)
-    dist.all_to_all_single(recv_scales, scales, group=group)
-    # This rank's own chunk never crossed the wire: it is summed exact, which removes 1/peers of the rounding noise.
-    me = dist.get_rank(group)
-    return dequantize_sum_rows(recv_packed, recv_scales, chunks[me], me, block)
+    dist.all_to_all_single(recv_scales, send_scales, group=group)
+    return dequantize_sum_rows(recv_packed, recv_scales.view(-1), chunks[me], me, block)
 
 
 def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

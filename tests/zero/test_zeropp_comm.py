@@ -66,3 +66,15 @@ def test_quantized_collectives_match_exact():
             else:
                 # INT4 with 256-element blocks on Gaussian data: ~10% relative error per hop is expected.
                 assert value < 0.25, (key, value)
+
+
+def _one_rank(rank: int, world: int) -> bool:
+    g = torch.randn(100).bfloat16()
+    out = torch.empty_like(g)
+    QuantizedReduceScatter(block_size=64)(out, g, dist.group.WORLD, dist.ReduceOp.SUM)
+    return torch.equal(out, g)  # nothing crosses a wire, so nothing is quantized
+
+
+@pytest.mark.timeout(60)
+def test_one_rank_reduce_scatter_is_exact():
+    assert run_ranks(_one_rank, 1, timeout=50) == [True]
