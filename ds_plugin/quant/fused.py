@@ -199,17 +199,21 @@ def _dequantize_blocks(out: Tensor, codes: Tensor, scales: Tensor) -> None:
 def _dequantize_sum_blocks(packed: Tensor, scales: Tensor, own: Tensor, me: int) -> Tensor:
     # packed: (peers, ..., blocks, block / 2) uint8; scales: one per block, in order; own: (..., blocks, block).
     peers, half = packed.shape[0], packed.shape[-1]
-    wide = packed.to(torch.int32)
-    # 4-bit two's complement to int: 0..7 stay, 8..15 become -8..-1.
-    low, high = ((wide & 0xF) ^ 8) - 8, ((wide >> 4) ^ 8) - 8
     scale = scales.float().view(*packed.shape[:-1], 1)
     own_pairs = own.float().unflatten(-1, (half, 2))
-    others = (torch.arange(peers, device=packed.device) != me).view(peers, *[1] * (packed.dim() - 1))
-    # Even and odd elements are summed apart and interleaved once at the end: interleaving every peer's codes
-    # first cost twice the time. `where`, not arithmetic: a nan block in this rank's own quantized copy must not
-    # leak into the sum; the peers are summed in order with the own row in its place, as stack-and-sum would.
-    even = torch.where(others, low.float() * scale, own_pairs[..., 0]).sum(dim=0)
-    odd = torch.where(others, high.float() * scale, own_pairs[..., 1]).sum(dim=0)
+    even = odd = None
+    # Peers are added in order with the own rows in their place, as stack-and-sum would. The own rows are never
+    # decoded (they were not quantized). Even and odd elements are summed apart and interleaved once at the end,
+    # half the cost of interleaving every peer's codes.
+    for i in range(peers):
+        if i == me:
+            e, o = own_pairs[..., 0], own_pairs[..., 1]
+        else:
+            wide = packed[i].to(torch.int32)
+            # 4-bit two's complement to int: 0..7 stay, 8..15 become -8..-1.
+            e = (((wide & 0xF) ^ 8) - 8).float() * scale[i]
+            o = (((wide >> 4) ^ 8) - 8).float() * scale[i]
+        even, odd = (e, o) if even is None else (even + e, odd + o)
     return torch.stack((even, odd), dim=-1).flatten(-2)
 
 
