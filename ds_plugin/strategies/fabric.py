@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_plugin.config import TrainingConfig
 from ds_plugin.strategies import _checkpoint, _config, _model
+from ds_plugin.strategies._state import ZeroStrategyState
 from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
 from ds_plugin.strategies.registry import register_lightning_strategies, register_names
 from ds_plugin.zero.apply import is_zero_applied
@@ -44,7 +44,7 @@ from ds_plugin.zero.mesh import data_parallel_mesh
 __all__ = ["ZeroFabricStrategy"]
 
 
-class ZeroFabricStrategy(DDPStrategy, _BackwardSyncControl):
+class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
     """DeepSpeed ZeRO stages 0-3 and ZeRO++ for `Fabric`; one trained model per strategy.
 
     Processes, the process group, the sampler and the collectives are Fabric's DDP ones.
@@ -58,6 +58,8 @@ class ZeroFabricStrategy(DDPStrategy, _BackwardSyncControl):
         accelerator / parallel_devices / cluster_environment / checkpoint_io / precision: set by Fabric.
         overrides: top-level DeepSpeed keys merged over `config`.
     """
+
+    _not_set_up = "call fabric.setup(model, optimizer) first"
 
     def __init__(
         self,
@@ -85,24 +87,8 @@ class ZeroFabricStrategy(DDPStrategy, _BackwardSyncControl):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._block_types = block_types
-        self._sync_module_states = sync_module_states
-        self._mesh: Any = None
-        self._engine: ZeroEngine | None = None
-        self._accumulating = False
+        self._init_zero_state(block_types, sync_module_states)
         self._backward_sync_control = self
-
-    @property
-    def config(self) -> TrainingConfig:
-        """The config: as given until `setup`, resolved after."""
-        return self._engine.config if self._engine is not None else self._config
-
-    @property
-    def engine(self) -> ZeroEngine:
-        """The `ZeroEngine` driving the model (after `fabric.setup`)."""
-        if self._engine is None:
-            raise RuntimeError("ZeroFabricStrategy.engine: call fabric.setup(model, optimizer) first")
-        return self._engine
 
     @property
     @override

@@ -31,16 +31,17 @@ from typing_extensions import override
 
 from ds_plugin.config import AUTO, TrainingConfig
 from ds_plugin.strategies import _checkpoint, _config, _model
+from ds_plugin.strategies._state import ZeroStrategyState
 from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
 from ds_plugin.strategies.registry import register_lightning_strategies, register_names
 from ds_plugin.zero.apply import apply_zero, is_zero_applied
-from ds_plugin.zero.engine import ZeroEngine, initialize
+from ds_plugin.zero.engine import initialize
 from ds_plugin.zero.mesh import data_parallel_mesh
 
 __all__ = ["ZeroStrategy"]
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ZeroStrategyState, DDPStrategy):
     """DeepSpeed ZeRO stages 0-3 and ZeRO++ for `Trainer`, configured by a DeepSpeed config.
 
     Args:
@@ -58,6 +59,8 @@ class ZeroStrategy(DDPStrategy):
     """
 
     strategy_name = "zero"
+
+    _not_set_up = "the model is not set up yet; the Trainer sets it up in fit()"
 
     def __init__(
         self,
@@ -86,23 +89,7 @@ class ZeroStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._block_types = block_types
-        self._sync_module_states = sync_module_states
-        self._mesh: Any = None
-        self._engine: ZeroEngine | None = None
-        self._accumulating = False
-
-    @property
-    def config(self) -> TrainingConfig:
-        """The config: as given until `setup`, resolved against the Trainer after."""
-        return self._engine.config if self._engine is not None else self._config
-
-    @property
-    def engine(self) -> ZeroEngine:
-        """The `ZeroEngine` driving the model (after `setup`)."""
-        if self._engine is None:
-            raise RuntimeError("ZeroStrategy.engine: the model is not set up yet; the Trainer sets it up in fit()")
-        return self._engine
+        self._init_zero_state(block_types, sync_module_states)
 
     @property
     @override
