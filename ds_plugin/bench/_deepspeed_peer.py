@@ -12,6 +12,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +72,16 @@ def make_deepspeed_step(
         "steps_per_print": 1 << 30,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine_step(engine)
+
+
+def engine_step(engine: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`step(x) -> loss` for an engine with DeepSpeed's API (`engine(...)`, `.backward(loss)`, `.step()`): ours
+    and DeepSpeed's train through the same three calls, so the peers benchmark times them alike.
+
+    Args:
+        engine: a DeepSpeed engine or a ds_plugin `ZeroEngine` around a causal LM.
+    """
 
     def step(x: torch.Tensor) -> torch.Tensor:
         loss = engine(x, labels=x).loss

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ds_plugin.bench._deepspeed_peer import deepspeed_env, deepspeed_version
+from ds_plugin.bench._deepspeed_peer import deepspeed_env, deepspeed_version, engine_step
 from ds_plugin.bench.zero_memory import source_revision
 from ds_plugin.launch import run_ranks
 
@@ -79,17 +79,8 @@ def _ddp_step(model: torch.nn.Module, bf16: bool) -> Callable[[torch.Tensor], to
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
-            loss = ddp(x, labels=x).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    # DDP has no mixed-precision policy: bf16 runs under autocast.
+    return _torch_step(ddp, autocast=bf16)
 
 
 def _fsdp2_step(model: torch.nn.Module, bf16: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -99,10 +90,15 @@ def _fsdp2_step(model: torch.nn.Module, bf16: bool) -> Callable[[torch.Tensor], 
     for block in model.transformer.h:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    return _torch_step(model, autocast=False)
+
+
+def _torch_step(model: torch.nn.Module, *, autocast: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        loss = model(x, labels=x).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+            loss = model(x, labels=x).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -115,15 +111,7 @@ def _ds_plugin_step(model: torch.nn.Module, stage: int, bf16: bool) -> Callable[
     import ds_plugin
 
     config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "gradient_clipping": 0.0}
-    engine = ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        loss = engine(x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return step
+    return engine_step(ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR)))
 
 
 def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: int):
