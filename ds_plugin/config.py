@@ -276,6 +276,10 @@ class TrainingConfig:
     communication_data_type: DType | None = option(None, doc="gradient reduction dtype (null: the compute dtype)")
     data_types: DataTypesConfig = option(doc="accumulation dtypes", factory=DataTypesConfig)
     comms_logger: CommsLoggerConfig = option(doc="collective logging", factory=CommsLoggerConfig)
+    host_memory_reuse: bool = option(
+        True,
+        doc="ds_plugin: training on CPU, glibc malloc keeps freed memory for reuse instead of re-faulting it each step",
+    )
     ignored: Mapping[str, tuple[Any, str]] = dataclasses.field(
         default_factory=dict, compare=False, metadata={"internal": True, "doc": "keys accepted without effect"}
     )

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import time
 from datetime import timedelta
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from ds_plugin.zero.host_memory import host_memory_reuse_state, reuse_freed_host_memory
 
 # Config name -> (ds_plugin preset, DeepSpeed keys merged over it); deepspeed_hpz runs DeepSpeed itself.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -82,13 +85,15 @@ def _collective_names(model: nn.Module) -> dict[str, str]:
     return {kind: ",".join(sorted(found)) or "none" for kind, found in names.items()}
 
 
-def _ds_plugin_engine(name: str, model: nn.Module, ranks_per_node: int, lr: float) -> tuple[Any, dict[str, Any]]:
+def _ds_plugin_engine(
+    name: str, model: nn.Module, ranks_per_node: int, lr: float, reuse: bool = True
+) -> tuple[Any, dict[str, Any]]:
     from ds_plugin import initialize
     from ds_plugin.presets import get_preset
     from ds_plugin.zero.zeropp import zeropp_stats
 
     preset, overrides = PRESETS[name]
-    config = get_preset(preset, bf16={"enabled": True}, **overrides).resolve(
+    config = get_preset(preset, bf16={"enabled": True}, host_memory_reuse=reuse, **overrides).resolve(
         world_size=dist.get_world_size(), ranks_per_node=ranks_per_node
     )
     engine = initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=lr))
@@ -126,6 +131,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     torch.set_num_threads(1)
+    reuse = args.host_memory_reuse == "on"
+    if reuse:  # for every config alike, DeepSpeed's included (ds_plugin's engine would also do it itself)
+        reuse_freed_host_memory()
     timeout = timedelta(seconds=args.collective_timeout)
     if args.config == "deepspeed_hpz":
         import deepspeed
@@ -142,15 +150,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         engine, info = _deepspeed_engine(model, per_node, args.lr, args.batch)
         x = x.to(torch.bfloat16)
     else:
-        engine, info = _ds_plugin_engine(args.config, model, per_node, args.lr)
+        engine, info = _ds_plugin_engine(args.config, model, per_node, args.lr, reuse)
     times: list[float] = []
     cpu_times: list[float] = []
     losses: list[float] = []
-    tx_start = 0
+    tx_start = faults_start = 0
     for step in range(args.warmup + args.steps):
         dist.barrier()
         if step == args.warmup:
             tx_start = _tx_bytes(ifname)
+            faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = F.mse_loss(engine(x).float(), target)
         engine.backward(loss)
@@ -162,8 +171,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         losses.append(loss.item())
     # Only each namespace's first rank reads its veth; the other rank shares the same counter.
     sent = _tx_bytes(ifname) - tx_start if local_rank == 0 else 0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     stats = info.pop("stats", None)
-    mine = {"times": times, "cpu_times": cpu_times, "tx_bytes": sent, "stats": None if stats is None else vars(stats)}
+    mine = {
+        "times": times,
+        "cpu_times": cpu_times,
+        "tx_bytes": sent,
+        "stats": None if stats is None else vars(stats),
+        "faults_per_step": (usage.ru_minflt - faults_start) / max(1, args.steps),
+        "max_rss_mb": usage.ru_maxrss / 1024,  # Linux reports KiB
+    }
+    info["host_memory_reuse_rank0"] = host_memory_reuse_state()
     if stats is not None:  # ds_plugin's ZeRO++: say whether its quantizers ran compiled or eager
         from ds_plugin.quant.fused import compile_report
 
@@ -177,6 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "step_times_by_rank": [r["times"] for r in everyone],
         "cpu_times_by_rank": [r["cpu_times"] for r in everyone],
         "cross_node_tx_bytes_by_node": [r["tx_bytes"] for r in everyone[::per_node]],
+        # Page faults say whether freed memory was being mapped afresh every step; peak RSS what reuse costs.
+        "page_faults_per_step_by_rank": [round(r["faults_per_step"]) for r in everyone],
+        "max_rss_mb_by_rank": [round(r["max_rss_mb"]) for r in everyone],
         "losses": losses,
         "zeropp_stats_rank0": everyone[0]["stats"],
         **info,
@@ -244,6 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--collective-timeout", type=float, default=300.0)
     parser.add_argument("--out", required=True, help="rank 0 writes its JSON here")
+    parser.add_argument("--host-memory-reuse", choices=("on", "off"), default="on")
     return parser.parse_args(argv)
 
 

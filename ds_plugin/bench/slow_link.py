@@ -227,7 +227,7 @@ def _worker_cmd(args: argparse.Namespace, config: str, out: Path) -> list[str]:
         sys.executable, "-m", "ds_plugin.bench._slow_link_worker", "--config", config,
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch", str(args.batch),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--collective-timeout", str(args.timeout),
-        "--out", str(out),
+        "--out", str(out), "--host-memory-reuse", args.host_memory_reuse,
     ]  # fmt: skip
 
 
@@ -317,6 +317,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay in ms (0: none)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per config before its ranks die")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--host-memory-reuse",
+        choices=("on", "off"),
+        default="on",
+        help="glibc malloc keeps freed memory in every rank of every config, DeepSpeed's too (on; see README)",
+    )
     args = parser.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = sorted(set(args.configs) - set(CONFIGS))
@@ -374,6 +380,7 @@ def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:
         steps=args.steps,
         warmup=args.warmup,
         threads_per_rank=1,
+        host_memory_reuse=args.host_memory_reuse,
         torch=torch.__version__,
         ds_plugin_commit=commit,
         python=platform.python_version(),

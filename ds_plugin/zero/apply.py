@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ds_plugin.config import TrainingConfig
 from ds_plugin.precision.fp8_all_gather import enable_fp8_all_gather
 from ds_plugin.presets import load_config
+from ds_plugin.zero.host_memory import reuse_freed_host_memory
 from ds_plugin.zero.mesh import (
     ZeroSetupError,
     data_parallel_mesh,
@@ -206,6 +207,8 @@ def apply_zero(
     mesh = data_parallel_mesh(mesh)
     config = resolve_for_world(config, mesh.size())
     config.check_fp8_all_gather(mesh.size())
+    if config.host_memory_reuse and mesh.device_type == "cpu":
+        reuse_freed_host_memory()
     if config.stage >= 2:
         reshard_after_forward(config, mesh.size())  # fail on a bad hpZ size before touching the model
     blocks = find_blocks(model, block_types) if config.stage >= 2 or block_types is not None else []
