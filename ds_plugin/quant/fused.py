@@ -35,7 +35,14 @@ from torch import Tensor
 
 from ds_plugin.quant.blockwise import max_finite_scale
 
-__all__ = ["COMPILE_MIN_NUMEL", "compile_report", "dequantize_rows_into", "dequantize_sum_rows", "quantize_rows"]
+__all__ = [
+    "COMPILE_MIN_NUMEL",
+    "compile_report",
+    "dequantize_rows_into",
+    "dequantize_sum_rows",
+    "quantize_rows",
+    "use_compiled",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -220,11 +227,15 @@ def _dequantize_sum_blocks(packed: Tensor, scales: Tensor, own: Tensor, me: int)
 def _pick(fn: Callable, t: Tensor, compiled: bool | None) -> Callable:
     """`fn` itself, or its compiled form when `compiled` (None: by `t`'s size and device and the environment)."""
     if compiled is None:
-        compiled = _want_compiled(t)
+        compiled = use_compiled(t)
     return _compiled(fn) if compiled else fn
 
 
-def _want_compiled(t: Tensor) -> bool:
+def use_compiled(t: Tensor) -> bool:
+    """Whether the steps take their compiled form for a bucket like `t` (CPU, size, ``DS_PLUGIN_QUANT_COMPILE``).
+
+    A collective that works in pieces decides once for its whole bucket, so all its pieces run the same form.
+    """
     if t.device.type != "cpu":
         return False
     setting = os.environ.get(_ENV, "auto").strip().lower()

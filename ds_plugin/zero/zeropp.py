@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_plugin.quant.fused import dequantize_rows_into, dequantize_sum_rows, quantize_rows
+from ds_plugin.quant.fused import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
 
 __all__ = [
     "QuantizedAllGather",
@@ -45,6 +45,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Elements per pipelined piece of a shard (qwZ) or destination chunk (qgZ). A collective over a bigger bucket
+#: is cut into pieces of about this size, whole blocks each, so the first hop of one piece is on the wire while
+#: the next hop or the decoding of another runs: on CPU the quantizer's work then overlaps the slow link.
+PIECE_NUMEL = 1 << 21
 
 
 @dataclasses.dataclass
@@ -90,6 +95,9 @@ class QuantizedAllGather(_PlainAlloc):
             both are given, a gather over all ranks takes two levels: across nodes first (each shard crosses the
             node boundary once per remote node, the ZeRO++ paper's 0.5x volume), then inside the node. A flat
             ring over both nodes would cross the boundary with (world - 1) / world of the codes instead.
+        piece_numel: a shard larger than this is gathered in pieces of about this many elements, pipelined:
+            every piece's first-level gather is issued at once, and a piece goes to the second level, and then
+            is decoded, while later pieces are still on the wire. The result does not depend on it.
     """
 
     def __init__(
@@ -99,11 +107,13 @@ class QuantizedAllGather(_PlainAlloc):
         *,
         intra_group: dist.ProcessGroup | None = None,
         inter_group: dist.ProcessGroup | None = None,
+        piece_numel: int = PIECE_NUMEL,
     ) -> None:
         self.block_size = block_size
         self.stats = stats if stats is not None else ZeroPPStats()
         self.intra_group = intra_group
         self.inter_group = inter_group
+        self.piece_numel = piece_numel
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False):
         if input_tensor.dtype not in _FLOATS:
@@ -112,22 +122,26 @@ class QuantizedAllGather(_PlainAlloc):
         world = dist.get_world_size(group)
         shard = input_tensor.numel()
         block = _block_for(shard, self.block_size)
+        compiled = use_compiled(output_tensor)
         # Blocks never straddle ranks: each shard is quantized as whole blocks (zero-padded locally), and only its
         # real codes travel; receivers pad each rank's codes back the same way.
-        codes, scales = quantize_rows(input_tensor.view(1, -1), block, 8)
+        codes, scales = quantize_rows(input_tensor.view(1, -1), block, 8, compiled=compiled)
         codes = codes.reshape(-1)
         if self._two_level(group):
             # Inter-node first: row n of the result is node n's shard for this local index. Then inside the node:
             # row j holds local rank j's rows of every node, so rank (n, j) ends at [j, n]: a transposed view of
             # FSDP2's rank-ordered buffer receives it.
             local, nodes = dist.get_world_size(self.intra_group), dist.get_world_size(self.inter_group)
-            all_codes, all_scales = _gather_codes(codes, scales, self.inter_group)
-            all_codes, all_scales = _gather_codes(all_codes, all_scales, self.intra_group)
+            levels = (self.inter_group, self.intra_group)
             out = output_tensor.view(nodes, local, shard).transpose(0, 1)
         else:
-            all_codes, all_scales = _gather_codes(codes, scales, group)
+            levels = (group,)
             out = output_tensor.view(world, shard)
-        dequantize_rows_into(out, all_codes, all_scales, block)
+        pieces = _pieces(shard, block, self.piece_numel)
+        for (start, end), (piece_codes, piece_scales) in zip(
+            pieces, _gather_pieces(codes, scales, pieces, block, levels), strict=True
+        ):
+            dequantize_rows_into(out[..., start:end], piece_codes, piece_scales, block, compiled=compiled)
         self.stats.quantized_all_gathers += 1
         return None
 
@@ -140,14 +154,46 @@ class QuantizedAllGather(_PlainAlloc):
         return world == nodes_x_local and dist.get_process_group_ranks(group) == list(range(world))
 
 
-def _gather_codes(codes: Tensor, scales: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
-    """All-gather `codes` and `scales` over `group`, concatenated in the group's rank order."""
-    size = dist.get_world_size(group)
-    all_codes = codes.new_empty(size * codes.numel())
-    all_scales = scales.new_empty(size * scales.numel())
-    _all_gather(all_codes, codes, group)
-    _all_gather(all_scales, scales, group)
-    return all_codes, all_scales
+def _pieces(numel: int, block: int, piece_numel: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges that cover ``numel`` elements in order: whole blocks each (but the last), about
+    ``piece_numel`` long; one range when ``numel`` is not larger. Block-aligned cuts keep every block's scale,
+    so a pipelined collective is bit-identical to an unpipelined one."""
+    step = max(block, piece_numel // block * block)
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)] or [(0, numel)]
+
+
+class _Gathering:
+    """An asynchronous all-gather of one piece's codes and scales over one group."""
+
+    def __init__(self, codes: Tensor, scales: Tensor, group: dist.ProcessGroup) -> None:
+        size = dist.get_world_size(group)
+        self.codes = codes.new_empty(size * codes.numel())
+        self.scales = scales.new_empty(size * scales.numel())
+        self.works = [
+            _all_gather(self.codes, codes, group, async_op=True),
+            _all_gather(self.scales, scales, group, async_op=True),
+        ]
+
+    def wait(self) -> tuple[Tensor, Tensor]:
+        """The gathered codes and scales, each concatenated in the group's rank order."""
+        for work in self.works:
+            work.wait()
+        return self.codes, self.scales
+
+
+def _gather_pieces(codes: Tensor, scales: Tensor, pieces: list[tuple[int, int]], block: int, levels: tuple):
+    """Yield each piece's codes and scales gathered over `levels` (one or two groups, first to last), in order.
+
+    Every piece's first-level gather is issued up front; a piece is passed to the second level as soon as its
+    first lands, and is yielded (to be decoded by the caller) while the pieces after it are still travelling.
+    """
+    flights = [_Gathering(codes[a:b], scales[a // block : -(-b // block)], levels[0]) for a, b in pieces]
+    for k in range(len(flights)):
+        for group in levels[1:]:
+            flights[k] = _Gathering(*flights[k].wait(), group)
+        if k:
+            yield flights[k - 1].wait()
+    yield flights[-1].wait()
 
 
 class QuantizedReduceScatter(_PlainAlloc):
@@ -167,11 +213,13 @@ class QuantizedReduceScatter(_PlainAlloc):
         intra_group: dist.ProcessGroup | None = None,
         inter_group: dist.ProcessGroup | None = None,
         stats: ZeroPPStats | None = None,
+        piece_numel: int = PIECE_NUMEL,
     ) -> None:
         self.block_size = block_size
         self.intra_group = intra_group
         self.inter_group = inter_group
         self.stats = stats if stats is not None else ZeroPPStats()
+        self.piece_numel = piece_numel
 
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool = False
@@ -186,7 +234,7 @@ class QuantizedReduceScatter(_PlainAlloc):
         if two_hop and dist.get_world_size(self.intra_group) * dist.get_world_size(self.inter_group) == world:
             total = self._two_hop(chunks)
         else:
-            total = _all_to_all_sum(chunks, self.block_size, group)
+            total = _Exchange(chunks, _block_for(chunks.shape[-1], self.block_size), group).sum()
         if op == dist.ReduceOp.AVG:
             total /= world
         output_tensor.copy_(total)
@@ -196,41 +244,68 @@ class QuantizedReduceScatter(_PlainAlloc):
     def _two_hop(self, chunks: Tensor) -> Tensor:
         local = dist.get_world_size(self.intra_group)
         nodes = dist.get_world_size(self.inter_group)
+        numel = chunks.shape[-1]
+        block = _block_for(numel, self.block_size)
+        compiled = use_compiled(chunks)
         # Destination rank d = node * local + local_index. Hop 1 sends local peer j the chunks of every node's
         # rank j, so afterwards this rank holds its node's sum for the destinations (n, my_local) of all nodes n.
         # A transposed view, not a copy: the quantizer reads it in place and writes codes in the order sent.
-        by_local = chunks.view(nodes, local, -1).transpose(0, 1)
-        partial = _all_to_all_sum(by_local, self.block_size, self.intra_group)
-        # Hop 2: send each node's partial sum to the same-local-index rank of that node.
-        return _all_to_all_sum(partial, self.block_size, self.inter_group)
+        by_local = chunks.view(nodes, local, numel).transpose(0, 1)
+        pieces = _pieces(numel, block, self.piece_numel)
+        # Every piece's hop 1 goes out first. Then, piece by piece, hop 1 is summed and hop 2 (each node's partial
+        # sum to the same-local-index rank of that node) goes out; the piece before is summed meanwhile.
+        hop1 = [_Exchange(by_local[..., a:b], block, self.intra_group, compiled) for a, b in pieces]
+        total = torch.empty(numel, dtype=torch.float32, device=chunks.device)
+        hop2: list[_Exchange] = []
+        for k in range(len(pieces)):
+            hop2.append(_Exchange(hop1[k].sum(), block, self.inter_group, compiled))
+            hop1[k] = None  # its buffers can go
+            if k:
+                start, end = pieces[k - 1]
+                total[start:end] = hop2[k - 1].sum()
+        start, end = pieces[-1]
+        total[start:end] = hop2[-1].sum()
+        return total
 
 
-def _all_to_all_sum(chunks: Tensor, block_size: int, group: dist.ProcessGroup) -> Tensor:
-    """`chunks[i]` goes to rank i of `group`; returns the fp32 sum of what this rank receives, shaped `chunks[0]`.
+class _Exchange:
+    """A quantized all-to-all in flight: `chunks[i]` goes to rank i of `group` as INT4 codes and bf16 scales.
 
-    The quantization blocks follow the last dim: a block never spans two destination chunks.
+    The quantization blocks follow the last dim: a block never spans two destination chunks. This rank's own chunk
+    never crosses the wire and is summed exact (which removes 1/peers of the rounding noise), so it is not
+    quantized at all: its slot in the send buffer is zeros. Inf/nan blocks get a nan scale, so an fp16 overflow
+    survives the trip and the loss scaler still sees it.
     """
-    numel = chunks.shape[-1]
-    block = _block_for(numel, block_size)
-    peers, me = chunks.shape[0], dist.get_rank(group)
-    if peers == 1:  # nothing to exchange
-        return chunks[0].float()
-    # This rank's own chunk never crosses the wire and is summed exact (which removes 1/peers of the rounding
-    # noise), so it is not quantized at all: its slot in the send buffer is zeros.
-    # Inf/nan blocks get a nan scale, so an fp16 overflow survives the trip and the loss scaler still sees it.
-    rows = [quantize_rows(chunks[i], block, 4) for i in range(peers) if i != me]
-    send = rows[0][0].new_empty((peers, *rows[0][0].shape))
-    send_scales = rows[0][1].new_empty((peers, rows[0][1].numel()))
-    send[me].zero_()
-    send_scales[me].zero_()
-    for i, (codes, scales) in zip((i for i in range(peers) if i != me), rows, strict=True):
-        send[i].copy_(codes)
-        send_scales[i].copy_(scales)
-    recv_packed = torch.empty_like(send)
-    recv_scales = torch.empty_like(send_scales)
-    dist.all_to_all_single(recv_packed, send, group=group)
-    dist.all_to_all_single(recv_scales, send_scales, group=group)
-    return dequantize_sum_rows(recv_packed, recv_scales.view(-1), chunks[me], me, block)
+
+    def __init__(self, chunks: Tensor, block: int, group: dist.ProcessGroup, compiled: bool | None = None) -> None:
+        self.chunks, self.block, self.compiled = chunks, block, compiled
+        self.peers, self.me = chunks.shape[0], dist.get_rank(group)
+        if self.peers == 1:  # nothing to exchange
+            return
+        others = [i for i in range(self.peers) if i != self.me]
+        rows = [quantize_rows(chunks[i], block, 4, compiled=compiled) for i in others]
+        send = rows[0][0].new_empty((self.peers, *rows[0][0].shape))
+        send_scales = rows[0][1].new_empty((self.peers, rows[0][1].numel()))
+        send[self.me].zero_()
+        send_scales[self.me].zero_()
+        for i, (codes, scales) in zip(others, rows, strict=True):
+            send[i].copy_(codes)
+            send_scales[i].copy_(scales)
+        self.packed = torch.empty_like(send)
+        self.scales = torch.empty_like(send_scales)
+        self.works = [
+            dist.all_to_all_single(self.packed, send, group=group, async_op=True),
+            dist.all_to_all_single(self.scales, send_scales, group=group, async_op=True),
+        ]
+
+    def sum(self) -> Tensor:
+        """Wait for the exchange; the fp32 sum of what this rank received, shaped ``chunks[0]``."""
+        if self.peers == 1:
+            return self.chunks[0].float()
+        for work in self.works:
+            work.wait()
+        own = self.chunks[self.me]
+        return dequantize_sum_rows(self.packed, self.scales.view(-1), own, self.me, self.block, compiled=self.compiled)
 
 
 def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

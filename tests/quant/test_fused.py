@@ -119,11 +119,11 @@ def test_transposed_rows_quantize_in_view_order(compiled):
 
 def test_compile_choice_follows_size_and_environment(monkeypatch):
     small, large = torch.empty(10), torch.empty(fused.COMPILE_MIN_NUMEL)
-    assert not fused._want_compiled(small) and fused._want_compiled(large)
+    assert not fused.use_compiled(small) and fused.use_compiled(large)
     monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "0")
-    assert not fused._want_compiled(large)
+    assert not fused.use_compiled(large)
     monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "1")
-    assert fused._want_compiled(small)
+    assert fused.use_compiled(small)
 
 
 @pytest.mark.parametrize("compiled", MODES)
