@@ -107,21 +107,28 @@ def _torch_step(model: torch.nn.Module, *, autocast: bool) -> Callable[[torch.Te
     return step
 
 
-def _ds_plugin_step(model: torch.nn.Module, stage: int, bf16: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def _ds_plugin_step(
+    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
     import ds_plugin
 
-    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "gradient_clipping": 0.0}
+    config = {
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": 0.0,
+        "host_memory_reuse": reuse,
+    }
     return engine_step(ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR)))
 
 
-def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: int):
+def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: int, reuse: bool):
     bf16 = dtype == "bf16"
     if name == "ddp":
         return _ddp_step(model, bf16)
     if name == "fsdp2":
         return _fsdp2_step(model, bf16)
     if name.startswith("ds_plugin_zero"):
-        return _ds_plugin_step(model, int(name[-1]), bf16)
+        return _ds_plugin_step(model, int(name[-1]), bf16, reuse)
     if name.startswith("deepspeed_zero"):
         from ds_plugin.bench._deepspeed_peer import make_deepspeed_step
 
@@ -131,16 +138,20 @@ def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: 
     raise ValueError(f"unknown config {name!r}; one of {', '.join(NAMES)}")
 
 
-def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int) -> dict[str, Any]:
+def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int, reuse: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from ds_plugin.zero.host_memory import reuse_freed_host_memory
+
+    if reuse:  # every framework alike: ds_plugin's engine would turn it on by itself, the others would not
+        reuse_freed_host_memory()
     # Ranks share the parent's stdout, which carries the JSON report: send what they print (DeepSpeed's op
     # loader, for one) to stderr.
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     model = _model()
     vocab = model.config.vocab_size
-    step = _make_step(name, dtype, model, rank, world)
+    step = _make_step(name, dtype, model, rank, world, reuse)
     times, cpu, loss = [], [], None
     for i in range(warmup + steps):
         x = _batch(i, rank, vocab)
@@ -158,10 +169,12 @@ def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, step
     }
 
 
-def _one_run(name: str, dtype: str, warmup: int, steps: int, timeout: float) -> dict[str, Any]:
+def _one_run(name: str, dtype: str, warmup: int, steps: int, timeout: float, reuse: bool) -> dict[str, Any]:
     env = deepspeed_env() if name.startswith("deepspeed") else {}
     load = os.getloadavg()[0]
-    per_rank = run_ranks(_rank_run, WORLD, timeout=timeout, env=env, name=name, dtype=dtype, warmup=warmup, steps=steps)
+    per_rank = run_ranks(
+        _rank_run, WORLD, timeout=timeout, env=env, name=name, dtype=dtype, warmup=warmup, steps=steps, reuse=reuse
+    )
     return {
         "step_times": [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)],
         "cpu_times": [max(ts) for ts in zip(*(r["cpu_times"] for r in per_rank), strict=True)],
@@ -219,6 +232,7 @@ def run(
     steps: int = 12,
     repeats: int = 3,
     timeout: float = 900,
+    host_memory_reuse: bool = True,
 ) -> dict[str, Any]:
     """Run every (config, dtype) `repeats` times in alternating order and return the report dict.
 
@@ -229,6 +243,8 @@ def run(
         steps: timed steps per run.
         repeats: runs per config; odd repetitions go in reverse order.
         timeout: seconds per run (DeepSpeed's first run compiles its CPU op).
+        host_memory_reuse: glibc malloc keeps freed memory in every run's ranks, whichever the framework
+            (ds_plugin's engine does it by itself on CPU; see `ds_plugin.zero.host_memory`).
     """
     ds_version, ds_missing = deepspeed_version()
     combos = [(n, d) for n in names for d in dtypes]
@@ -241,7 +257,7 @@ def run(
             if combo in skipped or combo in errors:
                 continue
             try:
-                results[combo].append(_one_run(*combo, warmup, steps, timeout))
+                results[combo].append(_one_run(*combo, warmup, steps, timeout, host_memory_reuse))
             except RuntimeError as exc:  # one peer failing must not lose the others' numbers
                 errors[combo] = str(exc).strip().splitlines()[-1][:500]
     runs = []
@@ -259,6 +275,7 @@ def run(
             "model": f"GPT2({', '.join(f'{k}={v}' for k, v in MODEL.items())}, vocab 50257, dropout 0), 16.3M params",
             "world_size": WORLD,
             "threads_per_rank": 1,
+            "host_memory_reuse": "on in every run" if host_memory_reuse else "off in every run",
             "seq": SEQ,
             "micro_batch": MICRO_BATCH,
             "optimizer": f"torch.optim.AdamW(lr={LR})",
@@ -353,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--out", help="also write the JSON report to this file")
     parser.add_argument("--png", help="also draw the chart to this PNG file (needs matplotlib)")
+    parser.add_argument(
+        "--host-memory-reuse",
+        choices=("on", "off"),
+        default="on",
+        help="glibc malloc keeps freed memory in every run, whichever the framework (on; see README)",
+    )
     args = parser.parse_args(argv)
     report = run(
         tuple(args.names),
@@ -361,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         repeats=args.repeats,
         timeout=args.timeout,
+        host_memory_reuse=args.host_memory_reuse == "on",
     )
     text = json.dumps(report, indent=2)
     if args.out:
