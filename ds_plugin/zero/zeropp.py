@@ -12,6 +12,12 @@ on the wire shrink:
   the destinations), then an all-to-all across nodes among ranks with the same local index. A quarter of
   bf16's bytes cross the node boundary.
 
+Both are pipelined over buckets larger than `PIECE_NUMEL` elements: the bucket is cut into block-aligned pieces
+whose collectives are issued asynchronously, so one piece crosses the inter-node link while another takes the
+intra-node hop or is decoded (bit-identical to doing it in one piece). On CPU that hides the slow link behind the
+quantizer's work. On GPUs NCCL runs each piece on its own stream and `wait()` orders the decoding after it (not
+yet run on a GPU).
+
 Non-float buckets (FSDP2 gathers mixed-dtype parameters as raw bytes) and reduction ops other than SUM/AVG
 take the plain collective; each such fallback is counted in `ZeroPPStats` so the comms logger can report it.
 
