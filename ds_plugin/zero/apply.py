@@ -129,10 +129,13 @@ def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: l
     # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
     for block in blocks:
         fully_shard(block, **kwargs)
-    # The root gets the blocks' setting. Keeping it gathered after forward (`False`; backward needs it first)
-    # would save one re-gather per step (torch 2.13 does that by itself only for an unset value), but then
-    # tests/zero/test_zeropp_convergence.py drifts past its 1% bound (bf16: 3.3%); left to the ZeRO++ work.
-    fully_shard(model, **kwargs)
+    # The root (embeddings, final norm, head) stays gathered from forward to backward, which needs it first, as
+    # FSDP2 does by itself when the setting is left unset: that saves one all-gather per step of what is often the
+    # largest parameter (GPT-2's tied embedding: 9% of the step in `bench peers`). With hpZ the root keeps the
+    # blocks' setting: its backward gather stays in the node anyway, and under qwZ keeping it would change which
+    # weights backward sees (re-quantized secondary shards, as DeepSpeed uses, instead of forward's own).
+    root = kwargs["reshard_after_forward"]
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root})
     # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
     install_zeropp(model, config, mesh)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 import resource
+import statistics
 
 import pytest
 import torch
@@ -25,15 +26,14 @@ glibc_only = pytest.mark.skipif(
 _BLOCK = 64 << 20  # over glibc's largest mmap threshold (32 MiB), so by default every allocation is a fresh mmap
 
 
-def _faults_per_round(rank: int, world: int, *, reuse: bool, rounds: int = 6) -> dict:
+def _faults_per_round(rank: int, world: int, *, reuse: bool, rounds: int = 12) -> dict:
     applied = reuse_freed_host_memory() if reuse else "not asked"
-    for _ in range(3):  # the first rounds may fault: the heap grows to its working size (twice, measured)
-        torch.empty(_BLOCK, dtype=torch.uint8).fill_(1)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults = []
     for _ in range(rounds):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         torch.empty(_BLOCK, dtype=torch.uint8).fill_(1)  # touch every page, then free it
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    return {"applied": applied, "faults_per_round": faults / rounds}
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return {"applied": applied, "faults": faults}
 
 
 @glibc_only
@@ -43,10 +43,12 @@ def test_freed_blocks_are_reused_without_page_faults():
     reused = run_ranks(_faults_per_round, 1, reuse=True, timeout=120)[0]
     assert reused["applied"] is None, reused
     # Without it, every round maps the block afresh and faults on each page of it (or on each huge page).
-    assert plain["faults_per_round"] >= pages / 512, plain
-    # With it, the same pages come back from the heap already mapped.
-    assert reused["faults_per_round"] < pages / 100, (plain, reused)
-    assert reused["faults_per_round"] < plain["faults_per_round"] / 10, (plain, reused)
+    assert min(plain["faults"]) >= pages / 512, plain
+    # With it, the pages come back from the heap already mapped. A few rounds may still fault while the heap
+    # grows to its working size (other allocations land in the freed space: twice in 12 rounds, measured), so
+    # the typical round is what is checked.
+    assert statistics.median(reused["faults"]) < pages / 100, (plain, reused)
+    assert sum(f >= pages / 2 for f in reused["faults"]) <= 4, reused
 
 
 def _apply_and_report(rank: int, world: int, *, reuse: bool | None) -> dict:
