@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import platform
 import resource
-import statistics
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ glibc_only = pytest.mark.skipif(
 _BLOCK = 64 << 20  # over glibc's largest mmap threshold (32 MiB), so by default every allocation is a fresh mmap
 
 
-def _faults_per_round(rank: int, world: int, *, reuse: bool, rounds: int = 12) -> dict:
+def _faults_per_round(rank: int, world: int, *, reuse: bool, rounds: int = 30) -> dict:
     applied = reuse_freed_host_memory() if reuse else "not asked"
     faults = []
     for _ in range(rounds):
@@ -44,11 +43,12 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert reused["applied"] is None, reused
     # Without it, every round maps the block afresh and faults on each page of it (or on each huge page).
     assert min(plain["faults"]) >= pages / 512, plain
-    # With it, the pages come back from the heap already mapped. A few rounds may still fault while the heap
-    # grows to its working size (other allocations land in the freed space: twice in 12 rounds, measured), so
-    # the typical round is what is checked.
-    assert statistics.median(reused["faults"]) < pages / 100, (plain, reused)
-    assert sum(f >= pages / 2 for f in reused["faults"]) <= 4, reused
+    # With it, the heap first grows to a working size: a freed block is reused only once it has merged with a
+    # free neighbour, since the aligned allocation asks a little more than it gave back (1 to 7 of the first
+    # rounds faulted, measured). After that the pages come back already mapped.
+    faulting = [f >= pages / 100 for f in reused["faults"]]
+    assert sum(faulting[-15:]) <= 1, reused
+    assert sum(faulting) <= 12, reused
 
 
 def _apply_and_report(rank: int, world: int, *, reuse: bool | None) -> dict:
