@@ -173,6 +173,7 @@ class _Gathering:
 
     def __init__(self, codes: Tensor, scales: Tensor, group: dist.ProcessGroup) -> None:
         size = dist.get_world_size(group)
+        self.sent = (codes, scales)  # alive until the gather lands (the work holds them too)
         self.codes = codes.new_empty(size * codes.numel())
         self.scales = scales.new_empty(size * scales.numel())
         self.works = [
@@ -262,10 +263,10 @@ class QuantizedReduceScatter(_PlainAlloc):
         # sum to the same-local-index rank of that node) goes out; the piece before is summed meanwhile.
         hop1 = [_Exchange(by_local[..., a:b], block, self.intra_group, compiled) for a, b in pieces]
         total = torch.empty(numel, dtype=torch.float32, device=chunks.device)
-        hop2: list[_Exchange] = []
+        hop2: list[_Exchange] = []  # hop1[k] is dropped once summed: its buffers can go
         for k in range(len(pieces)):
             hop2.append(_Exchange(hop1[k].sum(), block, self.inter_group, compiled))
-            hop1[k] = None  # its buffers can go
+            hop1[k] = None
             if k:
                 start, end = pieces[k - 1]
                 total[start:end] = hop2[k - 1].sum()
@@ -299,6 +300,7 @@ class _Exchange:
             send_scales[i].copy_(scales)
         self.packed = torch.empty_like(send)
         self.scales = torch.empty_like(send_scales)
+        self.sent = (send, send_scales)  # the work holds them too; kept here so their lifetime is plain to see
         self.works = [
             dist.all_to_all_single(self.packed, send, group=group, async_op=True),
             dist.all_to_all_single(self.scales, send_scales, group=group, async_op=True),
