@@ -33,7 +33,7 @@ def deepspeed_env() -> dict[str, str]:
 def deepspeed_version() -> tuple[str | None, str | None]:
     """(version, None) when DeepSpeed is installed, else (None, why not) — without importing it."""
     if importlib.util.find_spec("deepspeed") is None:
-        return None, "deepspeed is not importable (pip install -c constraints-cpu.txt deepspeed==0.19.8)"
+        return None, "deepspeed is not importable (pip install -c constraints.txt deepspeed==0.19.8)"
     try:
         return importlib.metadata.version("deepspeed"), None
     except importlib.metadata.PackageNotFoundError:

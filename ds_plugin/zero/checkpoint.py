@@ -12,7 +12,8 @@ stock planner reads non-tensor values (optimizer hyper-parameters) with `torch.l
 either can run code from a crafted checkpoint. Here (1) nothing is read unless our marker file is present,
 has a known format version, and the `.metadata` bytes match the sha256 and every file the size it
 records; (2) `.metadata` is then unpickled by a restricted unpickler that only builds DCP's metadata
-classes, `torch.Size`, dtypes, layouts and paths; (3) non-tensor values are loaded with
+classes (their Enum members also in the `getattr(Class, "NAME")` form that Python 3.11.0-3.11.4 write),
+`torch.Size`, dtypes, layouts and paths; (3) non-tensor values are loaded with
 `torch.load(weights_only=True)` (tensors already are). (1) catches foreign, truncated or edited
 checkpoints but not a forger, who can rewrite the marker too; (2) and (3) are what stop code execution
 even then. Not covered: a forged checkpoint can still hold wrong numbers or huge shapes.
@@ -20,6 +21,7 @@ even then. Not covered: a forged checkpoint can still hold wrong numbers or huge
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import importlib
 import io
@@ -112,12 +114,29 @@ _ALLOWED = {
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"  # plain dataclasses and enums only
 
 
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """Stands in for `builtins.getattr` in `.metadata`: resolves only `AllowedEnum.MEMBER`.
+
+    Python 3.11.0-3.11.4 pickle an Enum member as `getattr(EnumClass, "NAME")` (other versions pickle the class
+    and the value), so DCP metadata written there holds a `getattr` call. A general `getattr` would hand a
+    forger any attribute of an allowed class (`Path.write_text`, a function's `__globals__`), so this one
+    answers only with a member of an Enum class that DCP's metadata module defines.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == _DCP_METADATA):
+        raise pickle.UnpicklingError(f"getattr on {cls!r} is not allowed in DCP metadata (only on its Enum classes)")
+    if not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"getattr({cls.__name__}, {name!r}) is not allowed in DCP metadata: not a member")
+    return cls.__members__[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds only what DCP's `.metadata` legitimately holds; anything else is refused before it is imported."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or (module in _PATH_MODULES and name in _PATH_NAMES):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if module == _DCP_METADATA:
