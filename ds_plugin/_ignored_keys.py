@@ -2,6 +2,11 @@
 
 FSDP_BUCKETS = "FSDP2 groups communication per wrapped block, not by byte-sized buckets"
 DS_RUNTIME_ONLY = "a DeepSpeed-engine feature with no counterpart here"
+FETCH_BY_ALL_GATHER = "FSDP2 fetches each block's weights with one all-gather"
+GRANULARITY = "blocks to wrap are chosen from the model's structure"
+
+# DeepSpeed's ZeRO model takes each `stage3_*` key under a plain field name too (the `stage3_*` spelling is the
+# pydantic alias); both spellings are listed wherever the key is ignored.
 
 ZERO_IGNORED = {
     "reduce_scatter": "gradients are always reduce-scattered by FSDP2",
@@ -15,9 +20,12 @@ ZERO_IGNORED = {
     "stage3_gather_16bit_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
     "gather_16bit_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
     "stage3_gather_fp16_weights_on_model_save": "use `ds-plugin export` for consolidated weights",
-    "stage3_module_granularity_threshold": "blocks to wrap are chosen from the model's structure",
-    "stage3_use_all_reduce_for_fetch_params": DS_RUNTIME_ONLY,
-    "stage3_allgather_sequential": DS_RUNTIME_ONLY,
+    "stage3_module_granularity_threshold": GRANULARITY,
+    "module_granularity_threshold": GRANULARITY,
+    "stage3_use_all_reduce_for_fetch_params": FETCH_BY_ALL_GATHER,
+    "use_all_reduce_for_fetch_params": FETCH_BY_ALL_GATHER,
+    "stage3_allgather_sequential": FETCH_BY_ALL_GATHER,
+    "allgather_sequential": FETCH_BY_ALL_GATHER,
     "ignore_unused_parameters": "FSDP2 handles unused parameters",
     "legacy_stage1": DS_RUNTIME_ONLY,
     "round_robin_gradients": DS_RUNTIME_ONLY,
@@ -28,7 +36,7 @@ ZERO_IGNORED = {
     "log_trace_cache_warnings": DS_RUNTIME_ONLY,
     "enable_sanity_checks": DS_RUNTIME_ONLY,
     "save_muon_momentum_buffer_in_memory": DS_RUNTIME_ONLY,
-    "leaf_module": "blocks to wrap are chosen from the model's structure",
+    "leaf_module": GRANULARITY,
     "zenflow": DS_RUNTIME_ONLY,
     "mics_shard_size": DS_RUNTIME_ONLY,
     "mics_hierarchical_params_gather": DS_RUNTIME_ONLY,
@@ -72,7 +80,7 @@ TOP_LEVEL_IGNORED = {
     "autotuning": DS_RUNTIME_ONLY,
     "nebula": DS_RUNTIME_ONLY,
     "compile": "call torch.compile on the model yourself",
-    "weight_quantization": "use zero_quantized_nontrainable_weights",
+    "weight_quantization": "weights are never stored quantized here (quantized initialization is not built)",
     "tensor_parallel": "tensor parallelism is not part of ds_plugin",
     "sequence_parallel_size": "sequence parallelism is not part of ds_plugin",
     "seq_parallel_communication_data_type": "sequence parallelism is not part of ds_plugin",
@@ -83,4 +91,12 @@ TOP_LEVEL_IGNORED = {
     "log_level": "use Python logging",
     "memory_efficient_linear": DS_RUNTIME_ONLY,
     "zero_optimization_stage": DS_RUNTIME_ONLY,
+    "sparse_attention": "DeepSpeed removed Sparse Attention (0.19.8 refuses this block); no sparse kernels here",
+    "graph_harvesting": "DeepSpeed removed graph harvesting (0.19.8 refuses this key)",
+    "expert_parallel": "expert parallelism is not part of ds_plugin",
+    "managed_gradient_accumulation": (
+        "the engine steps at the accumulation boundary (set_gradient_accumulation_boundary moves it)"
+    ),
+    "vocabulary_size": "DeepSpeed only warns when it is not a multiple of 8; nothing here reads it",
+    "datastates_ckpt": "checkpoints are torch.distributed.checkpoint directories",
 }

@@ -34,6 +34,7 @@ def option(
     le: float | None = None,
     auto: bool = False,
     ignored: str | None = None,
+    ignored_values: tuple[Any, ...] | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A dataclass field with the rules the parser enforces.
@@ -46,9 +47,21 @@ def option(
         ge / gt / le: numeric bounds.
         auto: whether the value "auto" is allowed (resolved later from the framework).
         ignored: why the key has no effect here; set keys with a reason are reported as ignored.
+        ignored_values: report the key only when set to one of these (None: any value). For a switch whose
+            other value is exactly what happens anyway, e.g. a feature not built yet turned off.
         factory: default factory for nested sections.
     """
-    meta = {"doc": doc, "key": key, "aliases": aliases, "ge": ge, "gt": gt, "le": le, "auto": auto, "ignored": ignored}
+    meta = {
+        "doc": doc,
+        "key": key,
+        "aliases": aliases,
+        "ge": ge,
+        "gt": gt,
+        "le": le,
+        "auto": auto,
+        "ignored": ignored,
+        "ignored_values": ignored_values,
+    }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -219,8 +232,11 @@ def parse_section(cls: type, data: Any, path: str, ignored_out: dict[str, tuple[
         else:
             converted = _convert(value, tp, full)
         _check_bounds(converted, meta, full)
-        if meta.get("ignored"):
-            ignored_out[full] = (converted, meta["ignored"])
+        only = meta.get("ignored_values")
+        if meta.get("ignored") and (only is None or converted in only):
+            # Under the canonical key: `to_deepspeed` writes ignored values back where they are reported, and an
+            # alias there would sit beside the field's own canonical key and fail as "given twice" on re-reading.
+            ignored_out[_join(path, json_key(f))] = (converted, meta["ignored"])
         kwargs[f.name] = converted
     try:
         return cls(**kwargs)

@@ -34,6 +34,7 @@ __all__ = [
     "TrainingConfig",
     "ZeroConfig",
     "from_deepspeed",
+    "read_config_file",
 ]
 
 DType = Literal["fp32", "fp16", "bf16"]
@@ -51,14 +52,22 @@ class FP16Config:
     """`fp16`: FP16 mixed precision with DeepSpeed's dynamic loss scaling."""
 
     enabled: bool | Auto = option(False, doc="train in fp16 with fp32 master weights", auto=True)
-    auto_cast: bool = option(False, doc="cast the model's inputs to fp16 in forward")
+    auto_cast: bool = option(
+        False,
+        doc="cast the model's floating inputs to fp16 in forward",
+        # Stages 0/1 cast in a forward pre-hook (zero/stage1.py), stages 2/3 through FSDP2's MixedPrecisionPolicy
+        # (cast_forward_inputs): there is no way to turn the cast off, so neither value changes anything.
+        ignored="forward's floating inputs are always cast to the compute dtype (fp16/bf16), at every stage",
+    )
     loss_scale: float = option(0.0, doc="0 = dynamic loss scaling; > 0 = that static scale", ge=0)
     initial_scale_power: int = option(16, doc="dynamic scaling starts at 2**initial_scale_power", ge=0, le=64)
     loss_scale_window: int = option(1000, doc="clean steps before the scale doubles", ge=1)
     hysteresis: int = option(2, doc="overflows tolerated before the scale halves", ge=1)
     consecutive_hysteresis: bool = option(False, doc="refill the hysteresis on every clean step")
     min_loss_scale: float = option(1.0, doc="the scale never drops below this", gt=0)
-    raise_error_at_min_scale: bool = option(True, doc="an overflow at the minimum scale is an error")
+    raise_error_at_min_scale: bool = option(
+        True, doc="ds_plugin: an overflow at the minimum scale is an error (DeepSpeed's loss-scaler argument)"
+    )
 
     IGNORED_KEYS = {"fp16_master_weights_and_grads": "master weights are always fp32 shards here"}
 
@@ -136,7 +145,12 @@ class ZeroConfig:
 
     stage: int = option(0, doc="0 = data parallel, 1 = + optimizer states sharded, 2 = + gradients, 3 = + weights")
     contiguous_gradients: bool = option(True, doc="copy gradients into one buffer", ignored=FSDP_BUCKETS)
-    overlap_comm: bool | None = option(None, doc="overlap reduction with backward (null: DeepSpeed's default)")
+    overlap_comm: bool | None = option(
+        None,
+        doc="overlap reduction with backward (null: DeepSpeed's default)",
+        ignored="not a switch here: stages 2/3 (FSDP2) always overlap gradient reduction with backward on GPU "
+        "streams; stages 0/1 reduce after backward, when the optimizer steps",
+    )
     reduce_bucket_size: int | Auto = option(
         500_000_000, doc="elements per reduce bucket", gt=0, auto=True, ignored=FSDP_BUCKETS
     )
@@ -177,7 +191,13 @@ class ZeroConfig:
         auto=True,
     )
     zero_quantized_weights: bool = option(False, doc="qwZ: INT8 blockwise weight all-gather")
-    zero_quantized_nontrainable_weights: bool = option(False, doc="store frozen weights quantized")
+    zero_quantized_nontrainable_weights: bool = option(
+        False,
+        doc="store frozen weights quantized (not built yet)",
+        # false is what happens anyway; only asking for it is worth a report.
+        ignored="not built yet: frozen weights are stored like trainable ones, unquantized",
+        ignored_values=(True,),
+    )
     zero_quantized_gradients: bool = option(False, doc="qgZ: INT4 all-to-all gradient reduction")
     zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=2)
     zero_quantized_gradients_block_size: int = option(
@@ -188,6 +208,16 @@ class ZeroConfig:
 
     @staticmethod
     def _legacy(data: dict[str, Any], path: str) -> dict[str, Any]:
+        # DeepSpeed's model defaults these to null, which means the same as leaving them out.
+        for key in (
+            "offload_optimizer",
+            "offload_param",
+            "cpu_offload",
+            "cpu_offload_param",
+            "cpu_offload_use_pin_memory",
+        ):
+            if key in data and data[key] is None:
+                del data[key]
         # DeepSpeed's deprecated boolean offload switches map onto the offload blocks.
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if old in data:
@@ -535,7 +565,8 @@ def _yaml_loader() -> type:
     return Loader
 
 
-def _load_file(path: Path) -> Any:
+def read_config_file(path: Path) -> Any:
+    """The contents of a DeepSpeed .json or .yaml config file, unparsed; unreadable files are a `ConfigError`."""
     try:
         text = path.read_text()
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the name, or bytes that are not UTF-8
@@ -564,7 +595,7 @@ def from_deepspeed(config: Mapping[str, Any] | str | os.PathLike | TrainingConfi
     if isinstance(config, TrainingConfig):
         return config
     if isinstance(config, str | os.PathLike):
-        config = _load_file(Path(config))
+        config = read_config_file(Path(config))
     ignored: dict[str, tuple[Any, str]] = {}
     cfg = parse_section(TrainingConfig, config, "", ignored)
     return dataclasses.replace(cfg, ignored=ignored)

@@ -19,9 +19,9 @@ ALIASES = {"bfloat16": "bf16"}
 
 def _load(path: Path) -> dict:
     if path.suffix == ".yaml":
-        from ds_plugin.config import _load_file  # YAML 1.2 floats such as 2.0e8, which PyYAML reads as strings
+        from ds_plugin.config import read_config_file  # YAML 1.2 floats such as 2.0e8, which PyYAML reads as strings
 
-        return _load_file(path)
+        return read_config_file(path)
     return json.loads(path.read_text())
 
 
@@ -103,6 +103,14 @@ def test_old_aliases():
     assert short.to_deepspeed()["zero_optimization"]["stage3_prefetch_bucket_size"] == 123
 
 
+def test_nulls_deepspeed_defaults_to_mean_leaving_the_key_out():
+    # DeepSpeed's ZeRO model defaults the offload blocks and the old offload switches to null.
+    nulls = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
+    cfg = from_deepspeed({"zero_optimization": {"stage": 3, **dict.fromkeys(nulls)}})
+    assert cfg.zero_optimization == from_deepspeed({"zero_optimization": {"stage": 3}}).zero_optimization
+    assert cfg.ignored_keys() == {}
+
+
 def test_ignored_keys_are_reported_with_reasons():
     cfg = from_deepspeed(CONFIGS / "deepspeed_chat_step1_zero3_offload.json")
     ignored = cfg.ignored_keys()
@@ -116,6 +124,19 @@ def test_ignored_keys_are_reported_with_reasons():
     ):
         assert ignored.get(key), key
     assert "zero_optimization.stage" not in ignored
+    docs = from_deepspeed(CONFIGS / "deepspeed_docs_zero3_sparse_attention.json").ignored_keys()
+    for key in (
+        "fp16.auto_cast",
+        "zero_optimization.overlap_comm",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.module_granularity_threshold",
+        "zero_optimization.use_all_reduce_for_fetch_params",
+        "zero_optimization.allgather_sequential",
+        "sparse_attention",
+    ):
+        assert docs.get(key), key
+    # Off is what happens anyway: only turning it on would be reported.
+    assert "zero_optimization.zero_quantized_nontrainable_weights" not in docs
 
 
 def test_auto_values_are_kept_then_resolved():
