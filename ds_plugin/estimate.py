@@ -1,4 +1,4 @@
-"""Per-rank model-state memory by the ZeRO paper's formulas (DESIGN.md section 4).
+"""Per-rank model-state memory by the ZeRO paper's formulas (Rajbhandari et al. 2020, section 5).
 
 Model states of mixed-precision Adam with Ψ parameters on N ranks: 2Ψ compute weights + 2Ψ gradients +
 12Ψ optimizer state (fp32 master, momentum, variance). Stage 1 shards the 12Ψ, stage 2 also the gradients,

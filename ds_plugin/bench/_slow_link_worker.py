@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(args.out + ".tmp")
         tmp.write_text(json.dumps(result))
         os.replace(tmp, args.out)
-    # The barrier lets every rank finish its last collective before the group goes away (DESIGN.md §5).
+    # The barrier lets every rank finish its last collective before the group goes away (without it
+    # gloo ranks sometimes abort at exit).
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -14,7 +14,7 @@ are not double counted; a DTensor counts its local shard) of every
 - optimizer_state: every tensor in `optimizer.state` (AdamW's exp_avg, exp_avg_sq, step).
 Activations, communication buffers, autograd's internal buffers and process RSS are not model states.
 
-The formula (ZeRO paper, DESIGN.md section 4) assumes 2Ψ bf16 weights + 2Ψ bf16 grads + 12Ψ fp32 master
+The formula (ZeRO paper, Rajbhandari et al. 2020, section 5) assumes 2Ψ bf16 weights + 2Ψ bf16 grads + 12Ψ fp32 master
 and Adam moments per rank, divided by N where the stage shards them.
 """
 

@@ -1,22 +1,33 @@
-"""Triton kernels for symmetric blockwise INT8 / INT4 quantization (qwZ weights, qgZ gradients).
+"""Triton kernels for the blockwise INT8 / INT4 format (qwZ weights, qgZ gradients): the CUDA backend.
 
-The format and its plain-torch reference live in :mod:`ds_plugin.quant.blockwise`; these kernels reproduce that
-reference bit for bit (codes and scales), so the rules are written to leave the compiler no freedom:
+The format, its constants and its plain-torch reference live in :mod:`ds_plugin.quant.format`, the only module of
+``ds_plugin.quant`` imported here; :mod:`ds_plugin.quant.dispatch` picks these kernels for CUDA tensors (or any
+tensor under ``TRITON_INTERPRET=1``) and imports this module lazily. The kernels reproduce the reference bit for bit
+(codes and scales), so the rules are written to leave the compiler no freedom:
 
 * all arithmetic is fp32; divisions use ``tl.math.div_rn`` because Triton's ``/`` lowers to an approximate
   division on NVIDIA GPUs while torch divides with correct rounding;
 * rounding is half to even, like ``torch.round``, built from ``floor`` so it does not depend on a libdevice path
   (which moved between Triton releases) and no multiply feeds an add that could be contracted into an FMA;
 * ``amax`` is taken over the finite elements only and non-finite blocks are flagged separately, because a GPU
-  ``max`` drops nan where torch propagates it.
+  ``max`` drops nan where torch propagates it;
+* bf16 scales are rounded up and moved as integer bit patterns (never through a float cast), because the
+  interpreter casts fp32 to bf16 by truncation; the bits are what the reference's ``round_up_to_bf16`` produces.
 
-Each program handles ``ROWS`` consecutive blocks as a ``[ROWS, WIDTH]`` tile (``WIDTH`` the block size rounded up to
-a power of two), so small blocks still give every program a few thousand elements and a block's scale is a row
-reduction. INT4 codes are paired into bytes with a reshape/split of that tile, so loads and stores stay contiguous.
+Both kernels work on rows: each row of ``(..., row_len)`` is cut into blocks of its own (zero-padded at its end,
+never straddling two rows), which is the layout :mod:`ds_plugin.quant.fused` uses for the ZeRO++ collectives; a
+flat tensor is one row. Leading dims are addressed through up to two strides, so the transposed views qwZ and qgZ
+pass are read and written in place. Each program handles ``ROWS`` consecutive blocks as a ``[ROWS, WIDTH]`` tile
+(``WIDTH`` the block size rounded up to a power of two), so small blocks still give every program a few thousand
+elements and a block's scale is a row reduction. INT4 codes are paired into bytes with a reshape/split of that
+tile, so loads and stores stay contiguous.
 
 ``triton.jit`` decides between compiled and interpreted kernels (``TRITON_INTERPRET``) when it decorates a function,
 so the kernels here are plain functions jitted on first use and cached per mode: a test can switch the interpreter
 on for CPU tensors and a GPU test in the same process still gets compiled kernels.
+
+Only the interpreter has run these kernels on this project's CI machines; the GPU tests in
+``tests/kernels/test_quant_triton.py`` hold the compiled kernels to the same bit-for-bit comparison.
 """
 
 from __future__ import annotations
@@ -30,17 +41,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ds_plugin.quant.blockwise import max_finite_scale
+from ds_plugin.quant.format import FLOAT_DTYPES, FP32_MAX, QMAX, SCALE_DTYPES, check_format, scale_cap
 
-__all__ = ["dequantize_blockwise_triton", "interpreter_enabled", "quantize_blockwise_triton"]
+__all__ = [
+    "dequantize_blockwise_triton",
+    "dequantize_rows_into_triton",
+    "interpreter_enabled",
+    "quantize_blockwise_triton",
+    "quantize_rows_triton",
+]
 
 # Elements per program tile; enough work per program on GPU and few Python-level programs in the interpreter.
 _TILE = 4096
-# Largest finite fp32: `|x| <= _FP32_MAX` is false exactly for inf and nan. A jitted function may only read
-# globals declared constexpr.
-_FP32_MAX = tl.constexpr(3.4028234663852886e38)
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_QMAX = {8: 127.0, 4: 7.0}
+# `|x| <= _FP32_MAX` is false exactly for inf and nan. A jitted function may only read globals declared constexpr.
+_FP32_MAX = tl.constexpr(FP32_MAX)
+# bf16 bit patterns: the canonical quiet nan (the nan scale of a non-finite block; torch's own nan payload differs
+# between devices and code paths, CPU writes 0xFFFF, and only "is nan" is part of the format) and 1.0.
+_BF16_NAN_BITS = tl.constexpr(0x7FC0)
+_BF16_ONE_BITS = tl.constexpr(0x3F80)
 _jitted: dict[tuple[str, bool], Any] = {}
 
 
@@ -72,21 +90,32 @@ def _quantize_kernel(
     x_ptr,
     out_ptr,
     scale_ptr,
-    numel,
     n_blocks,
+    per_row,
+    row_len,
+    inner,
+    stride_outer,
+    stride_inner,
     block_size,
     BITS: tl.constexpr,
     QMAX: tl.constexpr,
     SCALE_MAX: tl.constexpr,
+    BF16_SCALES: tl.constexpr,
     ROWS: tl.constexpr,
     WIDTH: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, WIDTH)
-    row_ok = rows < n_blocks
-    offs = rows.to(tl.int64)[:, None] * block_size + cols[None, :]
-    mask = row_ok[:, None] & (cols[None, :] < block_size) & (offs < numel)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    blk_ok = blk < n_blocks
+    # Block -> (row, first element within the row); row -> (outer, inner) index of a (up to) two-level row layout.
+    b = blk.to(tl.int64)
+    row = b // per_row
+    start = (b - row * per_row) * block_size
+    outer = row // inner
+    x_base = outer * stride_outer + (row - outer * inner) * stride_inner + start
+    pos = start[:, None] + cols[None, :]
+    mask = blk_ok[:, None] & (cols[None, :] < block_size) & (pos < row_len)
+    x = tl.load(x_ptr + x_base[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     finite = tl.abs(x) <= _FP32_MAX
     bad = tl.reduce(tl.where(finite, 0, 1), 1, _max_combine) > 0
@@ -94,8 +123,11 @@ def _quantize_kernel(
     x = tl.where(finite, x, 0.0)
     scale = tl.math.div_rn(tl.reduce(tl.abs(x), 1, _max_combine), QMAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    # Near fp32's max, QMAX * scale could overflow; the reference clamps the same way (max_finite_scale).
+    # Near fp32's max, QMAX * scale could overflow (halved for bf16 so rounding up stays finite): format.scale_cap.
     scale = tl.minimum(scale, SCALE_MAX)
+    if BF16_SCALES:
+        # round_up_to_bf16 on the bits: the scale is positive and finite here, so the shifts are exact.
+        scale = (((scale.to(tl.int32, bitcast=True) + 0xFFFF) >> 16) << 16).to(tl.float32, bitcast=True)
 
     # Round half to even. floor may flush a subnormal y to zero on GPU (libdevice ftz), but such a y rounds to 0
     # either way, so the codes do not change.
@@ -109,39 +141,69 @@ def _quantize_kernel(
     q = tl.where(bad[:, None], 0.0, q).to(tl.int32)
 
     if BITS == 8:
-        tl.store(out_ptr + offs, q.to(tl.int8), mask=mask)
+        tl.store(out_ptr + row[:, None] * row_len + pos, q.to(tl.int8), mask=mask)
     else:
         # Byte j of a block packs elements 2j (low nibble) and 2j + 1 (high nibble); block_size is even, so a
         # block's bytes are its own. Padding columns hold code 0, which is what an odd tail's high nibble needs.
         lo, hi = tl.split(tl.reshape(q & 15, [ROWS, WIDTH // 2, 2]))
         pairs = tl.arange(0, WIDTH // 2)
-        byte_offs = rows.to(tl.int64)[:, None] * (block_size // 2) + pairs[None, :]
-        byte_mask = row_ok[:, None] & (pairs[None, :] < block_size // 2) & (byte_offs * 2 < numel)
-        tl.store(out_ptr + byte_offs, (lo | (hi << 4)).to(tl.uint8), mask=byte_mask)
-    tl.store(scale_ptr + rows, tl.where(bad, float("nan"), scale), mask=row_ok)
+        byte_pos = start[:, None] // 2 + pairs[None, :]
+        byte_mask = blk_ok[:, None] & (pairs[None, :] < block_size // 2) & (byte_pos * 2 < row_len)
+        row_bytes = (row_len + 1) // 2
+        tl.store(out_ptr + row[:, None] * row_bytes + byte_pos, (lo | (hi << 4)).to(tl.uint8), mask=byte_mask)
+    if BF16_SCALES:
+        # scale_ptr is the bf16 scale buffer viewed as int16: its top 16 bits are the bf16 value exactly.
+        top = scale.to(tl.int32, bitcast=True) >> 16
+        tl.store(scale_ptr + blk, tl.where(bad, _BF16_NAN_BITS, top).to(tl.int16), mask=blk_ok)
+    else:
+        tl.store(scale_ptr + blk, tl.where(bad, float("nan"), scale), mask=blk_ok)
 
 
 def _dequantize_kernel(
-    in_ptr, scale_ptr, out_ptr, numel, n_blocks, block_size, BITS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr
+    in_ptr,
+    scale_ptr,
+    out_ptr,
+    n_blocks,
+    per_row,
+    row_len,
+    inner,
+    stride_outer,
+    stride_inner,
+    block_size,
+    BITS: tl.constexpr,
+    BF16_SCALES: tl.constexpr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, WIDTH)
-    row_ok = rows < n_blocks
-    offs = rows.to(tl.int64)[:, None] * block_size + cols[None, :]
-    mask = row_ok[:, None] & (cols[None, :] < block_size) & (offs < numel)
+    blk_ok = blk < n_blocks
+    b = blk.to(tl.int64)
+    row = b // per_row
+    start = (b - row * per_row) * block_size
+    pos = start[:, None] + cols[None, :]
+    mask = blk_ok[:, None] & (cols[None, :] < block_size) & (pos < row_len)
     if BITS == 8:
-        q = tl.load(in_ptr + offs, mask=mask, other=0).to(tl.float32)
+        q = tl.load(in_ptr + row[:, None] * row_len + pos, mask=mask, other=0).to(tl.float32)
     else:
         pairs = tl.arange(0, WIDTH // 2)
-        byte_offs = rows.to(tl.int64)[:, None] * (block_size // 2) + pairs[None, :]
-        byte_mask = row_ok[:, None] & (pairs[None, :] < block_size // 2) & (byte_offs * 2 < numel)
-        packed = tl.load(in_ptr + byte_offs, mask=byte_mask, other=0).to(tl.int32)
+        byte_pos = start[:, None] // 2 + pairs[None, :]
+        byte_mask = blk_ok[:, None] & (pairs[None, :] < block_size // 2) & (byte_pos * 2 < row_len)
+        row_bytes = (row_len + 1) // 2
+        packed = tl.load(in_ptr + row[:, None] * row_bytes + byte_pos, mask=byte_mask, other=0).to(tl.int32)
         # Sign-extend each 4-bit two's complement nibble: 0..7 stay, 8..15 map to -8..-1.
         lo = ((packed & 15) ^ 8) - 8
         hi = (((packed >> 4) & 15) ^ 8) - 8
         q = tl.reshape(tl.join(lo, hi), [ROWS, WIDTH]).to(tl.float32)
-    scale = tl.load(scale_ptr + rows, mask=row_ok, other=1.0)
-    tl.store(out_ptr + offs, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    if BF16_SCALES:
+        # bf16 bits (read as int16) to fp32 by a shift: exact, nan included, in compiled and interpreted kernels.
+        bits = tl.load(scale_ptr + blk, mask=blk_ok, other=_BF16_ONE_BITS).to(tl.int32)
+        scale = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        scale = tl.load(scale_ptr + blk, mask=blk_ok, other=1.0)
+    outer = row // inner
+    out_base = outer * stride_outer + (row - outer * inner) * stride_inner + start
+    tl.store(out_ptr + out_base[:, None] + cols[None, :], (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(fn: Callable[..., None], n_blocks: int, block_size: int, *args: Any, **constexprs: Any) -> None:
@@ -158,58 +220,157 @@ def _launch(fn: Callable[..., None], n_blocks: int, block_size: int, *args: Any,
     )
 
 
-def _check(bits: int, block_size: int, dtype: torch.dtype) -> None:
-    if bits not in _QMAX:
-        raise ValueError(f"bits must be 8 or 4, got {bits}")
-    if bits == 4 and block_size % 2:
-        raise ValueError(f"INT4 needs an even block_size, got {block_size}")
-    if dtype not in _FLOAT_DTYPES:
+def _check(bits: int, block_size: int, dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+    check_format(bits, block_size)
+    if dtype not in FLOAT_DTYPES:
         raise TypeError(f"blockwise quantization works on fp32, bf16 or fp16 tensors, got {dtype}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise TypeError(f"scales must be torch.float32 or torch.bfloat16, got {scale_dtype}")
 
 
-def quantize_blockwise_triton(x: Tensor, block_size: int, bits: int) -> tuple[Tensor, Tensor]:
-    """Quantize ``x`` with the Triton kernel; same contract as the torch reference in ``ds_plugin.quant.blockwise``.
+def _row_layout(t: Tensor) -> tuple[Tensor, int, int, int, int] | None:
+    """``(t', outer, inner, outer stride, inner stride)`` addressing the rows of ``t`` in place, else None.
+
+    ``t'`` is ``t`` or a view of it whose leading dims collapse to at most two strided ones; None when the last dim
+    is not unit-stride or more than two leading dims cannot be collapsed without a copy.
+    """
+    if t.dim() == 0:
+        return t, 1, 1, 0, 0
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return None
+    if t.dim() == 1:
+        return t, 1, 1, 0, 0
+    if t.dim() == 2:
+        return t, 1, t.shape[0], 0, t.stride(0)
+    if t.dim() > 3:
+        try:
+            t = t.view(-1, *t.shape[-2:])
+        except RuntimeError:
+            return None
+    return t, t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+
+
+def _quantize(
+    rows: Tensor, block_size: int, bits: int, scale_dtype: torch.dtype, codes: Tensor, scales: Tensor
+) -> None:
+    """Run the quantize kernel over every row of ``rows`` (a flat tensor is one row), into ``codes`` and ``scales``."""
+    layout = _row_layout(rows)
+    if layout is None:
+        layout = _row_layout(rows.contiguous())
+    x, outer, inner, stride_outer, stride_inner = layout
+    row_len = rows.shape[-1]
+    per_row = triton.cdiv(row_len, block_size)
+    n_blocks = outer * inner * per_row
+    bf16 = scale_dtype == torch.bfloat16
+    scale_out = scales.view(torch.int16) if bf16 else scales
+    args = (x, codes, scale_out, n_blocks, per_row, row_len, inner, stride_outer, stride_inner, block_size)
+    constexprs = {"BITS": bits, "QMAX": float(QMAX[bits]), "SCALE_MAX": scale_cap(bits, scale_dtype)}
+    _launch(_quantize_kernel, n_blocks, block_size, *args, BF16_SCALES=bf16, **constexprs)
+
+
+def quantize_blockwise_triton(
+    x: Tensor, block_size: int, bits: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """Quantize ``x`` as one flat run of blocks; the contract of the reference in :mod:`ds_plugin.quant.format`.
 
     Args:
         x: fp32, bf16 or fp16 tensor on a CUDA device (or any device under ``TRITON_INTERPRET=1``).
         block_size: elements per block (even for 4 bits).
         bits: 8 or 4.
+        scale_dtype: fp32 or bf16 (rounded up) scales.
 
     Returns:
-        ``(data, scales)``: int8 codes ``(numel,)`` or uint8 packed codes ``(ceil(numel / 2),)``, and fp32 scales
+        ``(data, scales)``: int8 codes ``(numel,)`` or uint8 packed codes ``(ceil(numel / 2),)``, and scales
         ``(ceil(numel / block_size),)`` with nan for blocks that held inf/nan.
     """
-    _check(bits, block_size, x.dtype)
-    flat = x.contiguous().view(-1)
+    _check(bits, block_size, x.dtype, scale_dtype)
+    flat = x.reshape(-1)
     numel = flat.numel()
-    n_blocks = triton.cdiv(numel, block_size)
-    scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
-    if bits == 8:
-        data = torch.empty(numel, dtype=torch.int8, device=x.device)
-    else:
-        data = torch.empty(triton.cdiv(numel, 2), dtype=torch.uint8, device=x.device)
-    args = (flat, data, scales, numel, n_blocks, block_size)
-    constexprs = {"BITS": bits, "QMAX": _QMAX[bits], "SCALE_MAX": max_finite_scale(bits)}
-    _launch(_quantize_kernel, n_blocks, block_size, *args, **constexprs)
-    return data, scales
+    width = numel if bits == 8 else triton.cdiv(numel, 2)
+    codes = torch.empty(width, dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
+    scales = torch.empty(triton.cdiv(numel, block_size), dtype=scale_dtype, device=x.device)
+    _quantize(flat, block_size, bits, scale_dtype, codes, scales)
+    return codes, scales
+
+
+def quantize_rows_triton(rows: Tensor, block: int, bits: int) -> tuple[Tensor, Tensor]:
+    """Quantize each row (last dim) of ``rows`` into blocks of its own, with bf16 scales rounded up.
+
+    The contract of :func:`ds_plugin.quant.fused.quantize_rows`, bit for bit.
+
+    Args:
+        rows: ``(..., numel)`` fp32, bf16 or fp16, on a CUDA device (or any under ``TRITON_INTERPRET=1``); any
+            strides along the leading dims.
+        block: elements per scale; even for 4 bits.
+        bits: 8 or 4.
+
+    Returns:
+        ``(codes, scales)``: contiguous int8 ``(..., numel)`` or uint8 ``(..., ceil(numel / 2))`` codes in the
+        view's order, and bf16 scales, ``ceil(numel / block)`` per row, row after row.
+    """
+    _check(bits, block, rows.dtype, torch.bfloat16)
+    numel = rows.shape[-1]
+    width = numel if bits == 8 else triton.cdiv(numel, 2)
+    codes = torch.empty((*rows.shape[:-1], width), dtype=torch.int8 if bits == 8 else torch.uint8, device=rows.device)
+    n_rows = rows.numel() // numel if numel else 0
+    scales = torch.empty(n_rows * triton.cdiv(numel, block), dtype=torch.bfloat16, device=rows.device)
+    if n_rows:
+        _quantize(rows, block, bits, torch.bfloat16, codes, scales)
+    return codes, scales
+
+
+def _dequantize(data: Tensor, scales: Tensor, block_size: int, bits: int, out: Tensor) -> None:
+    """Run the dequantize kernel over every row of ``out`` (a flat tensor is one row)."""
+    layout = _row_layout(out)
+    if layout is None:
+        # An out the kernel cannot address in place: decode into contiguous memory and copy (same values).
+        staged = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        _dequantize(data, scales, block_size, bits, staged)
+        out.copy_(staged)
+        return
+    y, outer, inner, stride_outer, stride_inner = layout
+    row_len = out.shape[-1]
+    per_row = triton.cdiv(row_len, block_size)
+    n_blocks = outer * inner * per_row
+    bf16 = scales.dtype == torch.bfloat16
+    scales = scales.contiguous()
+    scale_in = scales.view(torch.int16) if bf16 else scales
+    args = (data.contiguous(), scale_in, y, n_blocks, per_row, row_len, inner, stride_outer, stride_inner, block_size)
+    _launch(_dequantize_kernel, n_blocks, block_size, *args, BITS=bits, BF16_SCALES=bf16)
 
 
 def dequantize_blockwise_triton(
     data: Tensor, scales: Tensor, block_size: int, numel: int, bits: int, dtype: torch.dtype
 ) -> Tensor:
-    """Dequantize with the Triton kernel into a flat tensor of ``numel`` elements of ``dtype``.
+    """Dequantize one flat run of blocks into a flat tensor of ``numel`` elements of ``dtype``.
 
     Args:
         data: int8 codes (8 bits) or uint8 packed codes (4 bits), as from :func:`quantize_blockwise_triton`.
-        scales: fp32 per-block scales.
+        scales: fp32 or bf16 per-block scales.
         block_size: the block size used to quantize.
         numel: number of elements to produce.
         bits: 8 or 4.
         dtype: fp32, bf16 or fp16.
     """
-    _check(bits, block_size, dtype)
+    _check(bits, block_size, dtype, scales.dtype)
     out = torch.empty(numel, dtype=dtype, device=data.device)
-    n_blocks = triton.cdiv(numel, block_size)
-    args = (data.contiguous(), scales.contiguous(), out, numel, n_blocks, block_size)
-    _launch(_dequantize_kernel, n_blocks, block_size, *args, BITS=bits)
+    if numel:
+        _dequantize(data, scales, block_size, bits, out)
     return out
+
+
+def dequantize_rows_into_triton(out: Tensor, codes: Tensor, scales: Tensor, block: int) -> None:
+    """Write ``codes * scale`` (INT8 rows from :func:`quantize_rows_triton`) into ``out``, in ``out``'s dtype.
+
+    The contract of :func:`ds_plugin.quant.fused.dequantize_rows_into`, bit for bit (the interpreter excepted: it
+    casts fp32 to bf16 by truncation, where compiled kernels and torch round to nearest even).
+
+    Args:
+        out: ``(..., numel)`` fp32, bf16 or fp16 destination; any strides along the leading dims.
+        codes: int8 codes of the rows in ``out``'s index order, contiguous, ``out.numel()`` of them.
+        scales: bf16 scales in the same order, ``ceil(numel / block)`` per row.
+        block: the block size used to quantize.
+    """
+    _check(8, block, out.dtype, scales.dtype)
+    if out.numel():
+        _dequantize(codes, scales, block, 8, out)

@@ -56,7 +56,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ds_plugin.precision.fp8 import BLOCK, ScaledFp8, quantize_blocks
+# The gathered-weight type lives below Fp8Linear (which reads it), so this module imports the layer and not the
+# other way round; it is re-exported here, where it has always been importable from.
+from ds_plugin.precision.fp8 import BLOCK, quantize_blocks
+from ds_plugin.precision.fp8_gathered import Fp8GatheredWeight, gathered_fp8, weight_block
+from ds_plugin.precision.fp8_linear import Fp8Linear
 
 __all__ = [
     "Fp8AllGatherStats",
@@ -115,78 +119,6 @@ class Fp8AllGatherStats:
             more = f" (+{len(self.bf16_layers) - 3} more)" if len(self.bf16_layers) > 3 else ""
             line += f", {len(self.bf16_layers)} keep the bf16 gather ({shown}{more})"
         return line
-
-
-def _weight_block(recipe: str, rows: int, cols: int) -> tuple[int, int]:
-    # The tile shapes quantize_weight uses, so a gathered weight is the ScaledFp8 the layer would have made.
-    return {"tensorwise": (rows, cols), "rowwise": (1, cols), "blockwise": (BLOCK, BLOCK)}[recipe]
-
-
-class Fp8GatheredWeight(torch.Tensor):
-    """The unsharded weight after an FP8 all-gather: E4M3 codes and fp32 scales of the ``recipe``'s tiles.
-
-    It reports the shape and mixed-precision dtype of the weight it stands for. :class:`Fp8Linear` reads the codes
-    through :func:`gathered_fp8`; any other op sees the dequantized weight.
-
-    Args:
-        data: the gathered fp8 codes, (N, K).
-        scale: fp32 dequantization scales of the recipe's tiles.
-        recipe: ``"tensorwise"``, ``"rowwise"`` or ``"blockwise"``.
-        dtype: the dtype the weight would have had (FSDP2's ``param_dtype``).
-    """
-
-    _data: torch.Tensor
-    _scale: torch.Tensor
-    recipe: str
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, recipe: str, dtype: torch.dtype) -> Fp8GatheredWeight:
-        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=dtype, device=data.device)
-
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, recipe: str, dtype: torch.dtype) -> None:
-        self._data, self._scale, self.recipe = data, scale, recipe
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    def scaled_fp8(self) -> ScaledFp8:
-        """The codes and scales as the :class:`ScaledFp8` ``quantize_weight`` would have returned."""
-        return ScaledFp8(self._data, self._scale, _weight_block(self.recipe, *self._data.shape))
-
-    def dequantize(self) -> torch.Tensor:
-        """``codes * scale`` in this tensor's dtype."""
-        return self.scaled_fp8().dequantize(self.dtype)
-
-    def __repr__(self) -> str:
-        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, recipe={self.recipe}, dtype={self.dtype})"
-
-    def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_data", "_scale"], (self.recipe, self.dtype)
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> Fp8GatheredWeight:
-        return Fp8GatheredWeight(inner["_data"], inner["_scale"], *meta)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        first = args[0] if args else None
-        # FSDP2 turns the gathered tensor into its unsharded parameter with as_strided (same shape) and
-        # nn.Parameter (detach): both must keep the codes, not a dequantized copy.
-        if isinstance(first, cls) and packet in (aten.detach, aten.alias, aten.as_strided, aten.view):
-            if packet in (aten.detach, aten.alias) or tuple(args[1]) == tuple(first.shape):
-                return cls(first._data, first._scale, first.recipe, first.dtype)
-        args, kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
-        return func(*args, **kwargs)
-
-
-def gathered_fp8(weight: torch.Tensor) -> ScaledFp8 | None:
-    """The fp8 codes of a weight that arrived through the FP8 all-gather, else None.
-
-    Args:
-        weight: a layer's weight as its forward sees it.
-    """
-    return weight.scaled_fp8() if isinstance(weight, Fp8GatheredWeight) else None
 
 
 class Fp8AllGatherWeight(torch.Tensor):
@@ -263,7 +195,7 @@ class Fp8AllGatherWeight(torch.Tensor):
             q = quantize_blocks(shard, (rows, cols), amax=amax)
             # One scale for every shard: it travels as metadata, not through the all-gather.
             return (q.data.view(torch.uint8),), q.scale
-        q = quantize_blocks(shard, _weight_block(self.recipe, rows, cols))
+        q = quantize_blocks(shard, weight_block(self.recipe, rows, cols))
         # Codes travel as bytes: an all-gather only moves them, and gloo (unlike NCCL) has no fp8 type.
         return (q.data.view(torch.uint8), q.scale), None
 
@@ -329,8 +261,6 @@ def enable_fp8_all_gather(model: nn.Module, world_size: int) -> Fp8AllGatherStat
     Raises:
         ValueError: the model has no :class:`Fp8Linear` layer.
     """
-    from ds_plugin.precision.fp8_linear import Fp8Linear
-
     stats = Fp8AllGatherStats()
     wrapped: dict[int, nn.Parameter] = {}
     for name, module in model.named_modules():

@@ -24,7 +24,7 @@ from ds_plugin.precision.fp8 import (
     quantize_weight,
     scaled_mm,
 )
-from ds_plugin.precision.fp8_all_gather import gathered_fp8
+from ds_plugin.precision.fp8_gathered import gathered_fp8
 
 __all__ = ["Fp8Linear", "convert_to_fp8_training"]
 

@@ -1,19 +1,22 @@
-"""Whole-row blockwise quantize / dequantize steps for the ZeRO++ collectives, fused on CPU by ``torch.compile``.
+"""The torch backend of the ZeRO++ row steps: whole-row blockwise quantize / dequantize, fused on CPU by
+``torch.compile``.
 
 qwZ and qgZ do the same few things on every collective: quantize rows of a bucket blockwise (padding each row to
 whole blocks), and after the exchange either dequantize rows into FSDP2's output buffer or dequantize and sum
-them in fp32. Written as chains of plain torch ops (as :mod:`ds_plugin.quant.blockwise` does), each step makes
-eight or so passes over memory, about 8-15 ns per element on one CPU core: on a 1 Gbit/s link that is more
-time than the bytes it saves. ``torch.compile`` turns each step into one vectorized loop, 10-15x faster on one
-core (0.7-3 G elements/s); ``ds-plugin bench slow-link`` went from 0.54x to 1.9x ZeRO-3's speed with it. On
-CUDA the eager form runs: its passes cost microseconds at GPU memory bandwidth, and it keeps IEEE division
-(inductor's Triton code may divide approximately, which would break bit-identity with the reference; no GPU has
-checked it here).
+them in fp32. Written as chains of plain torch ops, each step makes eight or so passes over memory, about 8-15 ns
+per element on one CPU core: on a 1 Gbit/s link that is more time than the bytes it saves. ``torch.compile`` turns
+each step into one vectorized loop, 10-15x faster on one core (0.7-3 G elements/s); ``ds-plugin bench slow-link``
+went from 0.54x to 1.9x ZeRO-3's speed with it.
 
-The functions here are the *same* math as the blockwise reference, op for op (scales rounded up to bf16, zero
-blocks get scale 1, non-finite blocks get a nan scale and zero codes, round half to even, INT4 packed with
-element ``2i`` in the low nibble), so the eager and compiled forms agree bit for bit with
-:func:`~ds_plugin.quant.blockwise.quantize_blockwise` and with each other; tests check both.
+This module is one backend behind :mod:`ds_plugin.quant.dispatch`, which the collectives call: CUDA tensors go to
+the Triton kernels (:mod:`ds_plugin.kernels.quant_triton`) where triton is importable, everything else comes here.
+On CUDA without triton the eager form runs: inductor's Triton code may divide approximately, which would break
+bit-identity with the reference.
+
+The maths is not written here: the quantize and dequantize steps call :func:`ds_plugin.quant.format.quantize_blocks`
+and :func:`~ds_plugin.quant.format.dequantize_blocks`, the format's reference, so the eager form *is* the
+reference and the compiled form is the same function compiled (tests check that they agree bit for bit). The
+qgZ sum step decodes INT4 with :func:`~ds_plugin.quant.format.int4_nibbles` and adds in peer order.
 
 When to compile: compiling costs seconds once per process (then the on-disk inductor cache makes it faster),
 so by default only CPU buckets of at least :data:`COMPILE_MIN_NUMEL` elements take the compiled form: tiny
@@ -30,10 +33,9 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ds_plugin.quant.blockwise import max_finite_scale
+from ds_plugin.quant.format import as_blocks, dequantize_blocks, int4_nibbles, quantize_blocks, scale_cap
 
 __all__ = [
     "COMPILE_MIN_NUMEL",
@@ -49,7 +51,6 @@ logger = logging.getLogger(__name__)
 # Below this a bucket takes a few milliseconds eagerly: seconds of compiling would pay back only after thousands
 # of steps, and tests on tiny models would pay it in every process.
 COMPILE_MIN_NUMEL = 1 << 20
-_QMAX = {8: 127, 4: 7}
 _ENV = "DS_PLUGIN_QUANT_COMPILE"
 
 
@@ -70,8 +71,8 @@ def quantize_rows(rows: Tensor, block: int, bits: int, *, compiled: bool | None 
     numel = rows.shape[-1]
     fn = _pick(_quantize_blocks, rows, compiled)
     # The cap is computed here, outside the compiled graph (it searches fp32 values with a loop).
-    cap = max_finite_scale(bits) / 2
-    parts = [fn(_as_blocks(piece, block), bits, cap) for piece in _contiguous_pieces(rows)]
+    cap = scale_cap(bits, torch.bfloat16)
+    parts = [fn(as_blocks(piece, block), bits, cap) for piece in _contiguous_pieces(rows)]
     if len(parts) == 1:
         codes, scales = parts[0]
     else:  # only the (small) results are copied together
@@ -103,7 +104,7 @@ def dequantize_rows_into(out: Tensor, codes: Tensor, scales: Tensor, block: int,
         if numel % block == 0:
             fn(piece.unflatten(-1, (-1, block)), piece_codes.unflatten(-1, (-1, block)), piece_scales)
         else:
-            blocks = _as_blocks(piece_codes, block)
+            blocks = as_blocks(piece_codes, block)
             values = torch.empty(blocks.shape, dtype=out.dtype, device=out.device)
             fn(values, blocks, piece_scales)
             piece.copy_(values.flatten(-2)[..., :numel])
@@ -127,8 +128,8 @@ def dequantize_sum_rows(
         fp32, ``(..., numel)``.
     """
     numel = own.shape[-1]
-    grid = _as_blocks(packed, block // 2)
-    own_blocks = _as_blocks(own, block)
+    grid = as_blocks(packed, block // 2)
+    own_blocks = as_blocks(own, block)
     total = _pick(_dequantize_sum_blocks, own, compiled)(grid, scales, own_blocks, me)
     return total.flatten(-2)[..., :numel]
 
@@ -155,19 +156,6 @@ def _contiguous_pieces(t: Tensor) -> list[Tensor]:
     return [piece for sub in t.unbind(0) for piece in _contiguous_pieces(sub)]
 
 
-def _as_blocks(rows: Tensor, block: int) -> Tensor:
-    """``rows`` as ``(..., blocks, block)``, each row zero-padded to whole blocks (a view when none is needed)."""
-    extra = -rows.shape[-1] % block
-    if extra:
-        rows = F.pad(rows, (0, extra))
-    return rows.unflatten(-1, (-1, block))
-
-
-def _round_up_to_bf16(scales: Tensor) -> Tensor:
-    # The smallest bf16 value >= each (positive, finite) fp32 scale: add just under one bf16 ulp, drop the low bits.
-    return ((scales.view(torch.int32) + 0xFFFF) & ~0xFFFF).view(torch.float32)
-
-
 # The three steps below take whole blocks along the last dim: the block is the inner, fixed-size loop, and only
 # the number of blocks varies between buckets. Compiled with a symbolic pad or row length instead, inductor
 # emitted scalar code 5x slower, so the block (and the peer count) are marked static: (argument, dims) per step.
@@ -178,29 +166,15 @@ _STATIC_DIMS = {
 }
 
 
-def _quantize_blocks(blocks: Tensor, bits: int, scale_cap: float) -> tuple[Tensor, Tensor]:
+def _quantize_blocks(blocks: Tensor, bits: int, cap: float) -> tuple[Tensor, Tensor]:
     # Scales travel as bf16 (rounded up, so codes never clip): with the small qgZ blocks that INT4 needs to train
     # like ZeRO-3, fp32 scales would add 12.5% to the gradient bytes; bf16 scales add 6%.
-    qmax = _QMAX[bits]
-    values = blocks.float()
-    amax = values.abs().amax(dim=-1, keepdim=True)
-    nonfinite = ~torch.isfinite(amax)
-    scales = amax / torch.full_like(amax, float(qmax))
-    scales = torch.where(scales == 0, 1.0, scales)
-    # Capped below bf16's max so rounding up never reaches inf; the codes are computed against the bf16 value.
-    scales = _round_up_to_bf16(scales.clamp(max=scale_cap))
-    codes = torch.round(values / scales).clamp(-qmax, qmax)
-    codes = torch.where(nonfinite, 0.0, codes).to(torch.int8)
-    scales = torch.where(nonfinite, float("nan"), scales).to(torch.bfloat16).reshape(-1)
-    if bits == 8:
-        return codes, scales
-    pairs = codes.unflatten(-1, (-1, 2)).view(torch.uint8) & 0xF
-    return pairs[..., 0] | (pairs[..., 1] << 4), scales
+    return quantize_blocks(blocks, bits, cap, torch.bfloat16)
 
 
 def _dequantize_blocks(out: Tensor, codes: Tensor, scales: Tensor) -> None:
     # out, codes: (..., blocks, block); scales: one per block, in order.
-    out.copy_((codes.float() * scales.float().view(*codes.shape[:-1], 1)).to(out.dtype))
+    out.copy_(dequantize_blocks(codes, scales, out.dtype))
 
 
 def _dequantize_sum_blocks(packed: Tensor, scales: Tensor, own: Tensor, me: int) -> Tensor:
@@ -216,10 +190,8 @@ def _dequantize_sum_blocks(packed: Tensor, scales: Tensor, own: Tensor, me: int)
         if i == me:
             e, o = own_pairs[..., 0], own_pairs[..., 1]
         else:
-            wide = packed[i].to(torch.int32)
-            # 4-bit two's complement to int: 0..7 stay, 8..15 become -8..-1.
-            e = (((wide & 0xF) ^ 8) - 8).float() * scale[i]
-            o = (((wide >> 4) ^ 8) - 8).float() * scale[i]
+            low, high = int4_nibbles(packed[i])
+            e, o = low.float() * scale[i], high.float() * scale[i]
         even, odd = (e, o) if even is None else (even + e, odd + o)
     return torch.stack((even, odd), dim=-1).flatten(-2)
 

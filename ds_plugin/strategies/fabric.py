@@ -12,7 +12,9 @@
 `fabric.setup(model, optimizer)` applies ZeRO to the model in place and returns the optimizer the engine
 built on the ZeRO parameters (an LR scheduler passed as `scheduler=` is re-pointed at it).
 `fabric.backward` and `optimizer.step()` go to the engine: fp16 loss scaling, the overflow check and
-clipping by the config's `gradient_clipping` happen inside the step, so `fabric.clip_gradients` is refused.
+clipping by the config's `gradient_clipping` happen inside the step. `fabric.clip_gradients(model, optimizer,
+max_norm=... | clip_val=...)` between backward and the step clips the averaged (fp16: unscaled) gradients by the
+global norm or by value, as the Trainer strategy's `gradient_clip_val` does.
 The loss is not divided by the accumulation steps (the script does it, as with any Fabric strategy).
 `fabric.save`/`fabric.load` write and read one sharded DCP directory per checkpoint.
 """
@@ -21,12 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
@@ -34,12 +34,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_plugin.strategies import _checkpoint, _config, _model
-from ds_plugin.strategies._state import ZeroStrategyState
-from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
-from ds_plugin.strategies.registry import register_lightning_strategies, register_names
-from ds_plugin.zero.apply import is_zero_applied
-from ds_plugin.zero.engine import ZeroEngine, initialize
+from ds_plugin.strategies._state import ZeroStrategyState, zero_precision_property
+from ds_plugin.strategies.lightning_precision import ZeroPrecision
+from ds_plugin.zero.engine import ZeroEngine
 from ds_plugin.zero.mesh import data_parallel_mesh
+from ds_plugin.zero.setup import has_meta
 
 __all__ = ["ZeroFabricStrategy"]
 
@@ -53,13 +52,22 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
         config: a preset name, a DeepSpeed .json/.yaml path, a dict, or a `TrainingConfig`.
         block_types: module classes or names to shard separately; default the transformers models' blocks.
         sync_module_states: start every rank from rank 0's weights, as DDP does.
-        process_group_backend: default "gloo" on CPU, "nccl" on CUDA.
-        timeout: the process group's timeout.
-        accelerator / parallel_devices / cluster_environment / checkpoint_io / precision: set by Fabric.
-        overrides: top-level DeepSpeed keys merged over `config`.
+        kwargs: Lightning's strategy arguments (`process_group_backend`: default "gloo" on CPU, "nccl" on CUDA;
+            `timeout`: the process group's; `accelerator`, `parallel_devices`, `cluster_environment`,
+            `checkpoint_io`, `precision`: Fabric sets them), and top-level DeepSpeed keys merged over `config`.
     """
 
     _not_set_up = "call fabric.setup(model, optimizer) first"
+
+    _FRAMEWORK_ARGS = (
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "checkpoint_io",
+        "precision",
+        "process_group_backend",
+        "timeout",
+    )
 
     def __init__(
         self,
@@ -67,40 +75,16 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
         *,
         block_types: Any = None,
         sync_module_states: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision: Any = None,
-        **overrides: Any,
+        **kwargs: Any,
     ) -> None:
-        owner = "ZeroFabricStrategy"
-        self._config, self._explicit = _config.load_strategy_config(config, overrides, owner=owner, cls=type(self))
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self._init_zero_state(block_types, sync_module_states)
+        super().__init__(**self._init_zero_state(config, kwargs, block_types, sync_module_states))
         self._backward_sync_control = self
 
-    @property
-    @override
-    def precision(self) -> ZeroPrecision:
-        if self._precision is None:
-            self._precision = ZeroPrecision()
-        return self._precision
+    precision = zero_precision_property("_precision")
 
-    @precision.setter
     @override
-    def precision(self, precision: Any) -> None:
-        self._precision = None if precision is None else to_zero_precision(precision, "ZeroFabricStrategy")
+    def _zero_precision(self) -> ZeroPrecision:
+        return self.precision
 
     @override
     def setup_environment(self) -> None:
@@ -112,29 +96,9 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
     def _engine_for(self, module: nn.Module, optimizer: Optimizer | None) -> ZeroEngine:
         if self._engine is not None and self._engine.module is not module:
             raise RuntimeError("ZeroFabricStrategy sets up one model; create another Fabric for a second one")
-        config = _config.resolve_config(
-            self._config,
-            self._explicit,
-            plugin=self.precision,
-            world_size=self.world_size,
-            ranks_per_node=self.num_processes,
-            owner=type(self).__name__,
-        )
-        # A user optimizer was built on the unsharded parameters: `initialize` applies ZeRO and maps it across.
-        applied = is_zero_applied(module)
-        meta = _model.prepare_model(module, config, device=self.root_device)
-        block_types = None if applied else self._block_types
-        self._engine = initialize(
-            module,
-            config,
-            optimizer=optimizer,
-            mesh=self._mesh,
-            block_types=block_types,
-            sync_module_states=self._sync_module_states,
-        )
-        if meta:
-            _model.materialize(module, self.root_device)
-        return self._engine
+        # A user optimizer was built on the unsharded parameters: the setup applies ZeRO and maps it across.
+        # Fabric has no accumulation or clipping setting of its own: the script decides both.
+        return self._setup_engine(module, optimizer)
 
     @override
     def setup_module_and_optimizers(
@@ -161,7 +125,7 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
-        if not _model.has_meta(module):  # `init_module(empty_init=True)`: materialised after sharding
+        if not has_meta(module):  # `init_module(empty_init=True)`: materialised after sharding
             module.to(self.root_device)
 
     @override
@@ -209,17 +173,27 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
 
     @override
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float | int, *args: Any, **kw: Any
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
     ) -> Tensor:
-        raise NotImplementedError(
-            "ZeroFabricStrategy clips inside optimizer.step() by the global norm; set gradient_clipping in the config"
-        )
+        # `fabric.clip_gradients(model, optimizer, max_norm=...)` between backward and `optimizer.step()`: the engine
+        # reduces (stages 0/1) and unscales (fp16) first, so the norm is the unsharded model's true one.
+        if norm_type != 2:
+            raise ValueError(f"ZeroFabricStrategy clips by the global L2 norm; norm_type={norm_type} is not supported")
+        norm = self.engine.clip_grad_norm_(max_norm)
+        if error_if_nonfinite and not torch.isfinite(norm) and self.engine.loss_scaler is None:
+            raise RuntimeError(
+                f"the total gradient norm is {norm.item()}; pass error_if_nonfinite=False to clip anyway"
+            )
+        return norm
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        raise NotImplementedError(
-            "ZeroFabricStrategy clips by the global norm (DeepSpeed's gradient_clipping), not by value"
-        )
+        self.engine.clip_grad_value_(clip_val)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -279,13 +253,3 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
             else:
                 state[key] = value
         return entries
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(strategy_registry, cls)
-
-
-# `import ds_plugin` registers the names as soon as Lightning loads. When this module is what made Lightning
-# load, that attempt ran before the class above existed and could not finish; registering here completes it.
-register_lightning_strategies()

@@ -16,26 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from ds_plugin.config import AUTO, TrainingConfig
+from ds_plugin.config import AUTO
 from ds_plugin.strategies import _checkpoint, _config, _model
-from ds_plugin.strategies._state import ZeroStrategyState
-from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
-from ds_plugin.strategies.registry import register_lightning_strategies, register_names
-from ds_plugin.zero.apply import apply_zero, is_zero_applied
-from ds_plugin.zero.engine import initialize
+from ds_plugin.strategies._state import ZeroStrategyState, zero_precision_property
+from ds_plugin.strategies.lightning_precision import ZeroPrecision
 from ds_plugin.zero.mesh import data_parallel_mesh
 
 __all__ = ["ZeroStrategy"]
@@ -50,17 +46,25 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         block_types: module classes or names to shard as separate units; default the transformers models'
             `_no_split_modules`, else the repeated children of `nn.ModuleList`s.
         sync_module_states: start every rank from rank 0's weights, as DDP does.
-        process_group_backend: default "gloo" on CPU, "nccl" on CUDA.
-        timeout: the process group's timeout.
-        accelerator / parallel_devices / cluster_environment / checkpoint_io / precision_plugin: as for any
-            Lightning strategy (the Trainer sets them).
-        overrides: top-level DeepSpeed keys merged over `config`, e.g. `gradient_clipping=0.5`,
-            `zero_optimization={"offload_optimizer": {"device": "cpu"}}`.
+        kwargs: Lightning's strategy arguments (`process_group_backend`: default "gloo" on CPU, "nccl" on CUDA;
+            `timeout`: the process group's; `accelerator`, `parallel_devices`, `cluster_environment`,
+            `checkpoint_io`, `precision_plugin`: the Trainer sets them), and top-level DeepSpeed keys merged over
+            `config`, e.g. `gradient_clipping=0.5`, `zero_optimization={"offload_optimizer": {"device": "cpu"}}`.
     """
 
     strategy_name = "zero"
 
     _not_set_up = "the model is not set up yet; the Trainer sets it up in fit()"
+
+    _FRAMEWORK_ARGS = (
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "checkpoint_io",
+        "precision_plugin",
+        "process_group_backend",
+        "timeout",
+    )
 
     def __init__(
         self,
@@ -68,40 +72,15 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         *,
         block_types: Any = None,
         sync_module_states: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        **overrides: Any,
+        **kwargs: Any,
     ) -> None:
-        self._config, self._explicit = _config.load_strategy_config(
-            config, overrides, owner="ZeroStrategy", cls=type(self)
-        )
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self._init_zero_state(block_types, sync_module_states)
+        super().__init__(**self._init_zero_state(config, kwargs, block_types, sync_module_states))
 
-    @property
-    @override
-    def precision_plugin(self) -> ZeroPrecision:
-        if self._precision_plugin is None:
-            self._precision_plugin = ZeroPrecision()
-        return self._precision_plugin
+    precision_plugin = zero_precision_property("_precision_plugin")
 
-    @precision_plugin.setter
     @override
-    def precision_plugin(self, plugin: Any) -> None:
-        self._precision_plugin = None if plugin is None else to_zero_precision(plugin, "ZeroStrategy")
+    def _zero_precision(self) -> ZeroPrecision:
+        return self.precision_plugin
 
     @property
     @override
@@ -120,22 +99,22 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh  # `self.device_mesh` in configure_model
 
-    def _resolve(self, trainer: pl.Trainer) -> TrainingConfig:
+    def _framework(self, trainer: pl.Trainer) -> dict[str, Any]:
         config, micro = self._config, None
         if config.train_micro_batch_size_per_gpu == AUTO or config.train_batch_size not in (None, AUTO):
             source = trainer.fit_loop._data_source  # the train dataloader, as Lightning's DeepSpeed strategy reads it
             micro = _config.batch_size(source.dataloader()) if source.is_defined() else None
-        return _config.resolve_config(
-            config,
-            self._explicit,
-            plugin=self.precision_plugin,
-            world_size=self.world_size,
-            ranks_per_node=self.num_processes,
-            owner=type(self).__name__,
-            micro_batch_size=micro,
-            accumulation=trainer.accumulate_grad_batches,
-            clip=trainer.gradient_clip_val,
-        )
+        return {
+            "micro_batch_size": micro,
+            "accumulation": trainer.accumulate_grad_batches,
+            "accumulation_setting": "Trainer(accumulate_grad_batches)",
+            # Clipping by norm is the config's gradient_clipping (inside the engine's step); by value, the precision
+            # plugin clips through the engine before the step.
+            "clip": None
+            if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE
+            else trainer.gradient_clip_val,
+            "clip_setting": "Trainer(gradient_clip_val)",
+        }
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -144,33 +123,29 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         self.precision_plugin.check_clipping(trainer)
-        config = self._resolve(trainer)
-        if config.ignored_keys():
-            rank_zero_info(f"ZeroStrategy: config keys without effect here: {', '.join(config.ignored_keys())}")
-        applied = is_zero_applied(module)  # by `configure_model`, or by an earlier fit/validate of this Trainer
-        meta = _model.prepare_model(module, config, device=self.root_device)
-        if not applied:
-            apply_zero(
-                module,
-                config,
-                mesh=self._mesh,
-                block_types=self._block_types,
-                sync_module_states=self._sync_module_states,
-            )
-        if meta:
-            _model.materialize(module, self.root_device)
-        self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module) if fitting else ([], [])
-        if len(optimizers) > 1:
-            raise ValueError(
-                f"ZeroStrategy trains one optimizer (as DeepSpeed); configure_optimizers gave {len(optimizers)}"
-            )
-        self._engine = initialize(module, config, optimizer=optimizers[0] if optimizers else None, mesh=self._mesh)
+        schedulers: list[Any] = []
+
+        def configure_optimizers(_params: Any) -> Any:
+            # Called by the setup once the model is sharded (and materialised), so configure_optimizers sees the
+            # ZeRO parameters; the engine then rebuilds the optimizer on the fp32 masters where they differ.
+            self.model_to_device()
+            optimizers, lr_configs = _init_optimizers_and_lr_schedulers(module) if fitting else ([], [])
+            if len(optimizers) > 1:
+                raise ValueError(
+                    f"ZeroStrategy trains one optimizer (as DeepSpeed); configure_optimizers gave {len(optimizers)}"
+                )
+            schedulers.extend(lr_configs)
+            return optimizers[0] if optimizers else None
+
+        engine = self._setup_engine(module, configure_optimizers, **self._framework(trainer))
+        self.precision_plugin.engine = engine
+        if engine.config.ignored_keys():
+            rank_zero_info(f"ZeroStrategy: config keys without effect here: {', '.join(engine.config.ignored_keys())}")
         for scheduler_config in schedulers:
-            _model.repoint_scheduler(scheduler_config.scheduler, self._engine.optimizer)
+            _model.repoint_scheduler(scheduler_config.scheduler, engine.optimizer)
         self.model = module
-        self.optimizers = [self._engine.optimizer] if optimizers else []
+        self.optimizers = [engine.optimizer] if engine.optimizer is not None else []
         self.lr_scheduler_configs = schedulers
         self.setup_precision_plugin()
 
@@ -282,13 +257,3 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(strategy_registry, cls)
-
-
-# `import ds_plugin` registers the names as soon as Lightning loads. When this module is what made Lightning
-# load, that attempt ran before the class above existed and could not finish; registering here completes it.
-register_lightning_strategies()

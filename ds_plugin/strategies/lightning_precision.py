@@ -59,6 +59,7 @@ class ZeroPrecision(Precision):
         if precision not in SUPPORTED_PRECISION:
             raise _unsupported(type(self).__name__, precision)
         self.precision = precision
+        self.engine: Any = None  # the strategy's ZeroEngine, once set up (clipping by value goes through it)
 
     @property
     def compute_dtype(self) -> str:
@@ -70,18 +71,16 @@ class ZeroPrecision(Precision):
         return {}
 
     def check_clipping(self, trainer: pl.Trainer) -> None:
-        """Refuse clipping by value and warn that a custom `configure_gradient_clipping` is not used.
+        """Warn that a custom `configure_gradient_clipping` does not clip by norm here.
 
         Args:
             trainer: the Trainer being set up.
         """
-        if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise ValueError(
-                "ZeroStrategy clips by the global norm (DeepSpeed's gradient_clipping); "
-                "use Trainer(gradient_clip_algorithm='norm')"
-            )
         if is_overridden("configure_gradient_clipping", trainer.lightning_module, pl.LightningModule):
-            _warnings.warn("configure_gradient_clipping is overridden but the ZeRO engine clips by the global norm")
+            _warnings.warn(
+                "configure_gradient_clipping is overridden: its norm clipping is the engine's (the config's "
+                "gradient_clipping, inside the step); clipping by value is applied as asked"
+            )
 
     @override
     def backward(  # type: ignore[override]
@@ -114,7 +113,11 @@ class ZeroPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Nothing: the engine clips by the global norm inside its step (`Trainer(gradient_clip_val)` sets it)."""
+        """Clip by value through the engine; by norm, nothing here: the engine clips by the global norm inside its
+        step (`Trainer(gradient_clip_val)` with the "norm" algorithm sets the config's `gradient_clipping`)."""
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE and clip_val:
+            assert self.engine is not None, "ZeroPrecision.clip_gradients: the strategy has not set up its engine"
+            self.engine.clip_grad_value_(float(clip_val))
 
 
 def to_zero_precision(plugin: Any, owner: str) -> ZeroPrecision:

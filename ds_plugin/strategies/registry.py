@@ -1,17 +1,27 @@
-"""The strategy names `import ds_plugin` adds to Lightning: zero0..zero3, zero3_offload, zeropp.
+"""The strategy names `import ds_plugin` adds to Lightning: zero0..zero3, zero3_offload, zeropp. All of
+ds_plugin's registration lives here.
 
 Lightning has no entry-point discovery for strategies: `Trainer(strategy="zeropp")` looks the name up in
-`lightning.pytorch.strategies.StrategyRegistry` (Fabric in its own `STRATEGY_REGISTRY`), so the names must
-be registered before the Trainer is built. Registering is idempotent; a name some other package already
-registered is left alone (with a warning) rather than silently taken over.
+`lightning.pytorch.strategies.StrategyRegistry` (Fabric in its own `STRATEGY_REGISTRY`), so the names must be
+registered before the Trainer is built. `import ds_plugin` calls `register_when_lightning_loads()`: at once if
+Lightning is already imported, else right after the `lightning` package finishes importing, so `import ds_plugin`
+itself never pays Lightning's ~3 s import (every `ds-plugin` command would).
+
+What is registered is a small factory per framework that imports the adapter module on first use, not the
+adapter class: registering therefore never imports `ds_plugin.strategies.lightning` / `fabric`, which import
+Lightning, so there is no import loop whichever module loads first. Registering is idempotent; a name some other
+package already registered is left alone (with a warning) rather than silently taken over.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
+import sys
 from typing import Any
 
-__all__ = ["STRATEGY_NAMES", "register_lightning_strategies", "register_names"]
+__all__ = ["STRATEGY_NAMES", "register_lightning_strategies", "register_when_lightning_loads"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,28 +36,44 @@ STRATEGY_NAMES = {
 }
 
 
+def trainer_strategy(**kwargs: Any) -> Any:
+    """A `ZeroStrategy` (what `Trainer(strategy="zeropp")` builds); imports the adapter on first use.
+
+    Args:
+        kwargs: `ZeroStrategy`'s arguments (the registry passes `config=<name>`).
+    """
+    from ds_plugin.strategies.lightning import ZeroStrategy
+
+    return ZeroStrategy(**kwargs)
+
+
+def fabric_strategy(**kwargs: Any) -> Any:
+    """A `ZeroFabricStrategy` (what `Fabric(strategy="zero3")` builds); imports the adapter on first use.
+
+    Args:
+        kwargs: `ZeroFabricStrategy`'s arguments (the registry passes `config=<name>`).
+    """
+    from ds_plugin.strategies.fabric import ZeroFabricStrategy
+
+    return ZeroFabricStrategy(**kwargs)
+
+
 def _qualname(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
-def register_names(registry: Any, strategy: type) -> None:
-    """Register every name in `STRATEGY_NAMES` for `strategy` in a Lightning or Fabric strategy registry.
-
-    Args:
-        registry: Lightning's `StrategyRegistry` or Fabric's `STRATEGY_REGISTRY`.
-        strategy: the strategy class; each name passes `config=<name>` to it.
-    """
+def _register_names(registry: Any, factory: Any) -> None:
     for name, description in STRATEGY_NAMES.items():
         entry = dict.get(registry, name)  # the registry's own `get` would instantiate the strategy
         if entry is not None:
-            if _qualname(entry["strategy"]) != _qualname(strategy):
+            if _qualname(entry["strategy"]) != _qualname(factory):
                 logger.warning(
                     "strategy name %r is already registered by %s; ds_plugin leaves it",
                     name,
                     _qualname(entry["strategy"]),
                 )
             continue
-        registry.register(name, strategy, description=description, config=name)
+        registry.register(name, factory, description=description, config=name)
 
 
 def register_lightning_strategies() -> list[str]:
@@ -61,9 +87,39 @@ def register_lightning_strategies() -> list[str]:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from ds_plugin.strategies.fabric import ZeroFabricStrategy
-    from ds_plugin.strategies.lightning import ZeroStrategy
-
-    register_names(StrategyRegistry, ZeroStrategy)
-    register_names(STRATEGY_REGISTRY, ZeroFabricStrategy)
+    _register_names(StrategyRegistry, trainer_strategy)
+    _register_names(STRATEGY_REGISTRY, fabric_strategy)
     return list(STRATEGY_NAMES)
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Registers the names right after the `lightning` package finishes importing.
+
+    Any `from lightning.pytorch import Trainer` imports the `lightning` package first, and its `__init__` loads
+    both `lightning.pytorch` and `lightning.fabric`, so the names are in place before a Trainer or Fabric can
+    look them up.
+    """
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "lightning":
+            return None
+        sys.meta_path.remove(self)  # one shot, and the lookup below must not find this finder again
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run_module = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run_module(module)
+                register_lightning_strategies()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def register_when_lightning_loads() -> None:
+    """Register the names now if Lightning is imported, else as soon as it is; nothing if it is not installed."""
+    if "lightning" in sys.modules:
+        register_lightning_strategies()
+    elif importlib.util.find_spec("lightning") is not None:
+        if not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterWhenLightningLoads())

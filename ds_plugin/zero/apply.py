@@ -1,15 +1,21 @@
 """`apply_zero(model, config)`: turn a model into a ZeRO model for stages 0, 1, 2 or 3.
 
+The model half of setup (`setup.py` runs the whole of it), in one fixed order, each step for a reason:
+check the model → host memory reuse (CPU) → rank 0's weights to every rank → FP8 layers (before sharding:
+FSDP2 shards the parameters it finds, and the FP8 weight subclass must be in place for its all-gather hooks) →
+fp32 masters → shard (stages 2/3) or replicate (0/1) → ZeRO++ collectives (they replace the collectives of the
+sharded modules, so they come last).
+
 Stages 2 and 3 are FSDP2: every repeated block, then the root, goes through `fully_shard`, so the fp32 master
-weights are the sharded parameters and the gradients are reduce-scattered into them. Stage 3 frees the
-gathered weights after each block's forward (`reshard_after_forward=True`, or hpZ's int k); stage 2 keeps
-them until backward (False). FSDP2 leaves the root unresharded after forward by itself, which is the faster
-choice DESIGN.md records. Stages 0 and 1 keep the parameters whole (see `stage1.py`).
+weights are the sharded parameters and the gradients are reduce-scattered into them. Stage 3 frees the gathered
+weights after each block's forward (`reshard_after_forward=True`, or hpZ's int k); stage 2 keeps them until
+backward (False). Stages 0 and 1 keep the parameters whole (see `stage1.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -19,37 +25,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ds_plugin.config import TrainingConfig
-from ds_plugin.precision.fp8_all_gather import enable_fp8_all_gather
-from ds_plugin.presets import load_config
 from ds_plugin.zero.host_memory import reuse_freed_host_memory
-from ds_plugin.zero.mesh import (
-    ZeroSetupError,
-    data_parallel_mesh,
-    mesh_device,
-    reshard_after_forward,
-    resolve_for_world,
-    torch_dtype,
-)
+from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
+from ds_plugin.zero.plan import ZeroPlan, resolve_plan
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
 from ds_plugin.zero.wrap import BlockTypes, find_blocks
 from ds_plugin.zero.zeropp import install_zeropp
 
-__all__ = ["apply_zero", "is_zero_applied", "mixed_precision_policy"]
+__all__ = ["apply_zero", "broadcast_module_states", "is_zero_applied", "mixed_precision_policy", "plan_for"]
 
 logger = logging.getLogger(__name__)
 
 
-def mixed_precision_policy(config: TrainingConfig) -> MixedPrecisionPolicy:
-    """FSDP2's mixed precision for a config: compute in fp16/bf16, reduce in `communication_data_type`.
+def mixed_precision_policy(plan: ZeroPlan) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for a plan: compute in fp16/bf16, reduce in `communication_data_type`.
 
     The fp32 master weights are the sharded parameters themselves, so `param_dtype` only sets the dtype of
     the gathered copies forward and backward use.
 
     Args:
-        config: the training config.
+        plan: the resolved plan.
     """
-    compute = torch_dtype(config.compute_dtype)
-    reduce = torch_dtype(config.reduce_dtype)
+    compute = torch_dtype(plan.compute_dtype)
+    reduce = torch_dtype(plan.reduce_dtype)
     return MixedPrecisionPolicy(
         param_dtype=None if compute == torch.float32 else compute,
         reduce_dtype=None if reduce == compute else reduce,
@@ -65,6 +63,23 @@ def is_zero_applied(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule) or replicated_state(model) is not None
 
 
+def plan_for(config: ZeroPlan | TrainingConfig | dict[str, Any] | str | os.PathLike, mesh: DeviceMesh) -> ZeroPlan:
+    """The plan for a config on a mesh (a plan is returned as is; its world size must be the mesh's).
+
+    Args:
+        config: a `ZeroPlan`, or anything `resolve_plan` reads.
+        mesh: the data-parallel mesh.
+    """
+    if isinstance(config, ZeroPlan):
+        if config.world_size != mesh.size():
+            raise ZeroSetupError(
+                f"the plan was resolved for {config.world_size} ranks but the mesh has {mesh.size()}; "
+                "resolve it for this mesh"
+            )
+        return config
+    return resolve_plan(config, world_size=mesh.size(), device_type=mesh.device_type)
+
+
 def _check_model(model: nn.Module, stage: int) -> None:
     if next(model.parameters(), None) is None:
         raise ZeroSetupError(
@@ -76,7 +91,7 @@ def _check_model(model: nn.Module, stage: int) -> None:
     if stage < 2 and any(p.is_meta for p in model.parameters()):
         raise ZeroSetupError(
             f"stage {stage} keeps whole parameters on every rank, so they cannot stay on the meta device; "
-            "materialize the model first (init_sharded does it for you)"
+            "materialize the model first (init_sharded and initialize do it for you)"
         )
     if stage >= 2:
         scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
@@ -85,6 +100,30 @@ def _check_model(model: nn.Module, stage: int) -> None:
                 f"parameter {scalars[0]!r} is a scalar, which stage {stage} (FSDP2) cannot shard; "
                 "make it a 1-element tensor (e.g. torch.ones(1)) or use stage 0 or 1"
             )
+
+
+def has_fp8_layers(model: nn.Module) -> bool:
+    """Whether FP8 linears are already in the model (converted by the user or by an earlier setup).
+
+    Args:
+        model: any module.
+    """
+    from ds_plugin.precision.fp8_linear import Fp8Linear
+
+    return any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def _convert_layers(model: nn.Module, plan: ZeroPlan) -> None:
+    # FP8 now; the frozen-weight storage formats plug in here too. Conversion keeps the parameter objects, so an
+    # optimizer built on the model before setup still maps onto them.
+    if plan.fp8 is None or has_fp8_layers(model):
+        return
+    from ds_plugin.precision.fp8_linear import convert_to_fp8_training
+
+    try:
+        convert_to_fp8_training(model, plan.fp8)
+    except ValueError as e:
+        raise ZeroSetupError(f"fp8: {e}") from None
 
 
 def _upcast_masters(model: nn.Module) -> None:
@@ -96,29 +135,18 @@ def _upcast_masters(model: nn.Module) -> None:
             p.data = p.data.float()
 
 
-def _wants_offload(config: TrainingConfig, mesh: DeviceMesh) -> bool:
-    zero = config.zero_optimization
-    wanted = "cpu" in (zero.offload_optimizer.device, zero.offload_param.device)
-    if wanted and mesh.device_type == "cpu":
-        logger.info("offload to cpu requested on a CPU-only run: everything already lives in host memory")
-        return False
-    return wanted
-
-
-def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: list[nn.Module]) -> None:
-    zero = config.zero_optimization
-    offload: OffloadPolicy = OffloadPolicy()
-    if _wants_offload(config, mesh):
-        pin = zero.offload_param.pin_memory if zero.offload_param.device == "cpu" else zero.offload_optimizer.pin_memory
-        # FSDP2 offloads all sharded state together: the sharded params are the fp32 masters the optimizer owns.
-        offload = CPUOffloadPolicy(pin_memory=pin)
+def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.Module]) -> None:
+    # FSDP2 offloads all sharded state together: the sharded params are the fp32 masters the optimizer owns.
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
     kwargs: dict[str, Any] = {
         "mesh": mesh,
-        "reshard_after_forward": reshard_after_forward(config, mesh.size()),
-        "mp_policy": mixed_precision_policy(config),
+        "reshard_after_forward": plan.reshard_after_forward,
+        "mp_policy": mixed_precision_policy(plan),
         "offload_policy": offload,
     }
-    if config.fp8.enabled and config.fp8.all_gather:
+    if plan.fp8_all_gather:
+        from ds_plugin.precision.fp8_all_gather import enable_fp8_all_gather
+
         # Before fully_shard: FSDP2 looks for the all-gather hooks on the tensors it shards.
         try:
             stats = enable_fp8_all_gather(model, mesh.size())
@@ -135,10 +163,8 @@ def _shard(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh, blocks: l
     # blocks' setting: its backward gather stays in the node anyway, and backward then sees the root's weights as
     # it sees the blocks' (under qwZ, secondary shards re-quantized, as in DeepSpeed). Keeping the root gathered
     # there moved fp16 ZeRO++ from 0.84% to 1.01% off ZeRO-3's loss in tests/zero/test_zeropp_convergence.py.
-    root = kwargs["reshard_after_forward"]
+    root = plan.reshard_after_forward
     fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root})
-    # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
-    install_zeropp(model, config, mesh)
 
 
 @torch.no_grad()
@@ -162,22 +188,21 @@ def broadcast_module_states(module: nn.Module, mesh: DeviceMesh) -> None:
             t.detach().copy_(buf)
 
 
-def _replicate(model: nn.Module, config: TrainingConfig, mesh: DeviceMesh) -> None:
-    master_device = torch.device("cpu") if _wants_offload(config, mesh) else None
+def _replicate(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh) -> None:
     ReplicatedState(
         model,
         mesh,
-        shard=config.stage == 1,
-        compute_dtype=torch_dtype(config.compute_dtype),
-        reduce_dtype=torch_dtype(config.reduce_dtype),
-        accum_dtype=torch_dtype(config.grad_accum_dtype),
-        master_device=master_device,
+        shard=plan.stage == 1,
+        compute_dtype=torch_dtype(plan.compute_dtype),
+        reduce_dtype=torch_dtype(plan.reduce_dtype),
+        accum_dtype=torch_dtype(plan.grad_accum_dtype),
+        master_device=torch.device("cpu") if plan.offload else None,
     )
 
 
 def apply_zero(
     model: nn.Module,
-    config: TrainingConfig | dict[str, Any] | str,
+    config: ZeroPlan | TrainingConfig | dict[str, Any] | str,
     *,
     mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
@@ -187,12 +212,12 @@ def apply_zero(
 
     Stage 0: data parallel; 1: + fp32 masters and optimizer state sharded; 2: + gradients sharded (FSDP2,
     weights kept gathered from forward to backward); 3: + weights sharded (FSDP2 per block, root last; hpZ
-    with `zero_hpz_partition_size` k > 1). Mixed precision and offload come from the config. Parameter names
-    do not change, so state dicts keep the model's own keys.
+    with `zero_hpz_partition_size` k > 1). Mixed precision, offload, FP8 layers (the config's `fp8` block) and
+    ZeRO++ come from the config. Parameter names do not change, so state dicts keep the model's own keys.
 
     Args:
-        model: the model, on CPU, its accelerator, or the meta device (see `init_sharded`).
-        config: a `TrainingConfig`, a DeepSpeed config dict or the path to one.
+        model: the model, on CPU, its accelerator, or the meta device (stages 2/3; see `init_sharded`).
+        config: a `ZeroPlan`, a `TrainingConfig`, a preset name, a DeepSpeed config dict or the path to one.
         mesh: the 1-D data-parallel mesh; default all ranks of the initialized process group.
         block_types: module classes or class names to shard as separate units (stage 2/3); default the
             `_no_split_modules` of the model or of a transformers model inside it, else the repeated children of
@@ -202,36 +227,41 @@ def apply_zero(
 
     Raises:
         ZeroSetupError: the model has no parameters, was already applied, `block_types` matches nothing, or
-            `fp8.all_gather` finds no `Fp8Linear` layer.
+            FP8 finds no eligible layer.
         ConfigError: the hpZ group size does not divide the world size, a value is still "auto", or
             `fp8.all_gather` is set without fp8, below stage 3 or with hpZ.
     """
-    config = load_config(config)
-    _check_model(model, config.stage)
     mesh = data_parallel_mesh(mesh)
-    config = resolve_for_world(config, mesh.size())
-    config.check_fp8_all_gather(mesh.size())
-    if config.host_memory_reuse and mesh.device_type == "cpu":
+    plan = plan_for(config, mesh)
+    _check_model(model, plan.stage)
+    if plan.host_memory_reuse:
         reuse_freed_host_memory()
-    if config.stage >= 2:
-        reshard_after_forward(config, mesh.size())  # fail on a bad hpZ size before touching the model
-    blocks = find_blocks(model, block_types) if config.stage >= 2 or block_types is not None else []
+    blocks = find_blocks(model, block_types) if plan.stage >= 2 or block_types is not None else []
     # A meta-device model has nothing to send: `materialize_` initialises it the same on every rank.
     if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):
         broadcast_module_states(model, mesh)
-    if config.compute_dtype != "fp32":
+    _convert_layers(model, plan)
+    if plan.compute_dtype != "fp32":
         _upcast_masters(model)
-    if config.stage >= 2:
-        _shard(model, config, mesh, blocks)
+    if plan.stage >= 2:
+        _shard(model, plan, mesh, blocks)
+        # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
+        install_zeropp(
+            model,
+            mesh,
+            weights_block=plan.quantized_weights_block,
+            gradients_block=plan.quantized_gradients_block,
+            ranks_per_node=plan.ranks_per_node,
+        )
     else:
-        _replicate(model, config, mesh)
+        _replicate(model, plan, mesh)
     if mesh.get_local_rank() == 0:
         logger.info(
             "ZeRO stage %d on %d ranks: %d blocks, compute %s, reduce %s",
-            config.stage,
+            plan.stage,
             mesh.size(),
             len(blocks),
-            config.compute_dtype,
-            config.reduce_dtype,
+            plan.compute_dtype,
+            plan.reduce_dtype,
         )
     return model

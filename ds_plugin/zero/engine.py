@@ -1,11 +1,11 @@
 """`ZeroEngine`: one training step of a ZeRO model, the way DeepSpeed's engine runs it.
 
-`initialize(model, config, optimizer)` applies ZeRO, rebuilds the optimizer on the fp32 master shards and
-returns the engine; the Lightning/Accelerate adapters drive it through `backward`, `step`, `no_sync` and the
-state-dict methods. One optimizer step: `backward(loss)` per micro-step (loss divided by the accumulation
-steps, scaled by the fp16 loss scaler; gradients synchronised only on the last micro-step), then `step()`:
-reduce (stages 0/1), fp16 overflow check and unscale, clip by the global norm, optimizer step, copy the
-masters back (stages 0/1), zero the gradients.
+`setup_zero` (`setup.py`; `initialize` and every adapter go through it) builds the engine from a `ZeroPlan`;
+the adapters drive it through `backward`, `step`, `no_sync`, the clipping methods and the state-dict methods.
+One optimizer step: `backward(loss)` per micro-step (loss divided by the accumulation steps, scaled by the fp16
+loss scaler; gradients synchronised only on the last micro-step), then `step()`: reduce (stages 0/1), fp16
+overflow check and unscale, clip by the global norm, optimizer step, copy the masters back (stages 0/1), zero
+the gradients, close the comms logger's step.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ds_plugin.config import AUTO, ConfigError, TrainingConfig
+from ds_plugin.config import FP16Config, TrainingConfig
 from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
-from ds_plugin.presets import load_config
-from ds_plugin.zero.apply import apply_zero, is_zero_applied
-from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, torch_dtype
+from ds_plugin.zero.apply import is_zero_applied, plan_for
+from ds_plugin.zero.comms_logger import CommsLogger
+from ds_plugin.zero.mesh import ZeroSetupError, torch_dtype
 from ds_plugin.zero.optimizer import (
     LocalShards,
     OptimizerSpec,
@@ -40,18 +40,17 @@ from ds_plugin.zero.optimizer import (
     named_optimizer_state_dict,
     needs_local_shards,
 )
+from ds_plugin.zero.plan import ZeroPlan
 from ds_plugin.zero.stage1 import replicated_state
-from ds_plugin.zero.wrap import BlockTypes
 
-__all__ = ["ZeroEngine", "initialize"]
+__all__ = ["ZeroEngine"]
 
 logger = logging.getLogger(__name__)
 
 
-def _loss_scaler(config: TrainingConfig) -> DynamicLossScaler | None:
-    if config.compute_dtype != "fp16":
+def _loss_scaler(f: FP16Config | None) -> DynamicLossScaler | None:
+    if f is None:
         return None
-    f = config.fp16
     return DynamicLossScaler(
         initial_scale_power=f.initial_scale_power,
         loss_scale_window=f.loss_scale_window,
@@ -63,46 +62,42 @@ def _loss_scaler(config: TrainingConfig) -> DynamicLossScaler | None:
     )
 
 
-def _resolved(value: Any, key: str, default: Any) -> Any:
-    if value == AUTO:
-        raise ConfigError(f'{key}: "auto" is not resolved; call config.resolve(...) with the framework\'s value')
-    return default if value is None else value
-
-
 class ZeroEngine:
     """Runs training steps on a model returned by `apply_zero`.
 
     Args:
         module: the ZeRO model (`apply_zero`'s result); call the engine or `.module` for forward.
-        config: the training config the model was built with.
+        plan: the plan the model was built with (a config is resolved into one for the model's mesh).
         optimizer: an optimizer over the ZeRO parameters, a factory `params -> optimizer`, or (stages 0/1)
             one built on the model's own parameters; None for an engine that only runs forward/backward.
         mesh: the data-parallel mesh; default the one the model was sharded over.
+        comms_logger: a running `CommsLogger` to close a step on at every optimizer step.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        config: TrainingConfig | dict[str, Any],
+        plan: ZeroPlan | TrainingConfig | dict[str, Any] | str,
         optimizer: OptimizerSpec | None = None,
         *,
         mesh: DeviceMesh | None = None,
+        comms_logger: CommsLogger | None = None,
     ) -> None:
         if not is_zero_applied(module):
             raise ZeroSetupError("ZeroEngine: the model has not been through apply_zero; use initialize(model, config)")
         self.module = module
-        self.config = config = load_config(config)
-        self.stage = config.stage
         self._replicated = replicated_state(module)
         # Walking an FSDP2 module's parameters costs ~0.3 ms; the objects stay the same, so walk once.
         self._params = self._replicated.masters if self._replicated else list(module.parameters())
         self.mesh = mesh or self._model_mesh()
         self.group = self.mesh.get_group()
-        self.gradient_accumulation_steps = int(
-            _resolved(config.gradient_accumulation_steps, "gradient_accumulation_steps", 1)
-        )
-        self.gradient_clipping = float(_resolved(config.gradient_clipping, "gradient_clipping", 0.0))
-        self.loss_scaler = _loss_scaler(config)
+        self.plan = plan = plan_for(plan, self.mesh)
+        self.config = plan.config
+        self.stage = plan.stage
+        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        self.gradient_clipping = plan.gradient_clipping
+        self.loss_scaler = _loss_scaler(plan.loss_scaling)
+        self.comms_logger = comms_logger
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -112,11 +107,12 @@ class ZeroEngine:
         self._fsdp_sync = True
         # FSDP2 accumulates skipped-sync gradients in the reduce dtype; a wider grad_accum_dtype is honoured by
         # reducing every micro-step into the fp32 sharded gradients instead (DeepSpeed's ZeRO-2/3 behaviour).
-        wider = torch_dtype(config.grad_accum_dtype).itemsize > torch_dtype(config.reduce_dtype).itemsize
+        wider = torch_dtype(plan.grad_accum_dtype).itemsize > torch_dtype(plan.reduce_dtype).itemsize
         self._sync_every_micro_step = self._replicated is None and wider
         self.optimizer: torch.optim.Optimizer | None = None
         self._local_shards: LocalShards | None = None
         self._creating_state = False
+        self._overflow: bool | None = None  # this step's gradients reduced and unscaled (see _gradients_ready)
         if optimizer is not None:
             own = {id(p): p for p in self.module.parameters()}
             self._set_optimizer(optimizer, self._replicated.master_of() if self._replicated else own)
@@ -132,6 +128,8 @@ class ZeroEngine:
     def _set_optimizer(self, spec: OptimizerSpec, replacement: dict[int, nn.Parameter]) -> None:
         params = self.trainable_parameters()
         optimizer = build_optimizer(spec, params, replacement)
+        if optimizer is None:  # a factory with nothing to build (a Trainer that is not fitting)
+            return
         if needs_local_shards(optimizer):
             # Its kernels take no DTensors: rebuild it (same class, groups, settings) on plain local shards.
             self._local_shards = LocalShards(params)
@@ -154,7 +152,10 @@ class ZeroEngine:
             self._local_shards.bind()
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._replicated is not None and not self._creating_state:
+        if self._creating_state:
+            return
+        self._overflow = None  # the next step's gradients are new
+        if self._replicated is not None:
             self._replicated.sync_params()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -241,35 +242,93 @@ class ZeroEngine:
         self.global_steps += 1
         stepped = self._optimizer_step()
         self.skipped_steps += not stepped
+        if self.comms_logger is not None:
+            self.comms_logger.step()
         return stepped
+
+    @torch.no_grad()
+    def _gradients_ready(self) -> bool:
+        """Reduce (stages 0/1) and unscale (fp16) this step's gradients, once per step; False on an fp16 overflow.
+
+        Runs inside `step()`, or earlier when the caller clips gradients itself (`clip_grad_norm_`), so the
+        clipping sees the averaged, unscaled gradients the optimizer will step with.
+        """
+        if self._overflow is not None:
+            return not self._overflow
+        if self._replicated is not None and self._replicated.has_gradients():
+            self._replicated.reduce_gradients()
+        self._overflow = False
+        if self.loss_scaler is not None:
+            params = self.trainable_parameters()
+            self._overflow = found_overflow((p.grad for p in params), group=self.group)
+            if not self._overflow:
+                inverse = 1.0 / self.loss_scaler.scale
+                for p in params:
+                    if p.grad is not None:
+                        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(inverse)
+        return not self._overflow
+
+    def _check_clip_point(self, what: str) -> None:
+        if not self.is_gradient_accumulation_boundary():
+            raise ZeroSetupError(
+                f"{what}: gradients are still accumulating (micro-step {self.micro_steps + 1} of "
+                f"{self.gradient_accumulation_steps}); clip after the last micro-step's backward, before the step"
+            )
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's gradients to a global L2 norm now, between the last backward and `step()`.
+
+        The norm is the unsharded model's (fp16: of the unscaled gradients). `step()` still clips by the config's
+        `gradient_clipping` as well, when that is set.
+
+        Args:
+            max_norm: the largest allowed norm.
+
+        Returns:
+            The norm before clipping; inf after an fp16 overflow (nothing is clipped; the step will be skipped).
+        """
+        self._check_clip_point("clip_grad_norm_")
+        if not self._gradients_ready():
+            return torch.tensor(float("inf"))
+        self.last_grad_norm = clip_grad_norm_(self.trainable_parameters(), float(max_norm), group=self.group)
+        return self.last_grad_norm
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every element of this step's gradients to [-clip_value, clip_value], before `step()`.
+
+        Elementwise, so each rank clamps its own shards (fp16: the unscaled gradients); nothing is clamped after
+        an fp16 overflow (the step will be skipped).
+
+        Args:
+            clip_value: the largest allowed magnitude.
+        """
+        self._check_clip_point("clip_grad_value_")
+        if not self._gradients_ready():
+            return
+        for p in self.trainable_parameters():
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clamp_(-clip_value, clip_value)
 
     @torch.no_grad()
     def _optimizer_step(self) -> bool:
         if self.optimizer is None:
             raise ZeroSetupError("step: the engine has no optimizer; pass one to initialize(..., optimizer=...)")
-        if self._replicated is not None and self._replicated.has_gradients():
-            self._replicated.reduce_gradients()
-        params = self.trainable_parameters()
-        if self.loss_scaler is not None:
-            used_scale = self.loss_scaler.scale
-            overflow = found_overflow((p.grad for p in params), group=self.group)
-            if self.loss_scaler.update(overflow):
-                logger.info(
-                    "fp16 overflow: step %d skipped, loss scale now %g", self.global_steps, self.loss_scaler.scale
-                )
-                self.zero_grad()
-                return False
-            for p in params:
-                if p.grad is not None:
-                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(1.0 / used_scale)
+        ready = self._gradients_ready()
+        if self.loss_scaler is not None and self.loss_scaler.update(not ready):
+            logger.info("fp16 overflow: step %d skipped, loss scale now %g", self.global_steps, self.loss_scaler.scale)
+            self.zero_grad()
+            return False
         if self.gradient_clipping > 0:
-            self.last_grad_norm = clip_grad_norm_(params, self.gradient_clipping, group=self.group)
+            self.last_grad_norm = clip_grad_norm_(self.trainable_parameters(), self.gradient_clipping, group=self.group)
         self.optimizer.step()
         self.zero_grad()
         return True
 
     def zero_grad(self) -> None:
         """Drop every gradient: the optimizer's, the model's and any accumulation buffer."""
+        self._overflow = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # local stand-ins too, when there are any
         for p in self.trainable_parameters():
@@ -356,41 +415,3 @@ class ZeroEngine:
         self.skipped_steps = int(state["skipped_steps"])
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-
-
-def initialize(
-    model: nn.Module,
-    config: TrainingConfig | dict[str, Any] | str,
-    optimizer: OptimizerSpec | None = None,
-    *,
-    mesh: DeviceMesh | None = None,
-    block_types: BlockTypes | None = None,
-    sync_module_states: bool = True,
-) -> ZeroEngine:
-    """DeepSpeed's `initialize`: apply ZeRO to the model, put the optimizer on its master shards.
-
-    Args:
-        model: the model (or one `apply_zero` already returned).
-        config: a `TrainingConfig`, a DeepSpeed config dict or the path to one.
-        optimizer: a factory `params -> optimizer` (called with the trainable master parameters), or an
-            optimizer built on `model.parameters()` that has not stepped (rebuilt with the same class and
-            param-group hyper-parameters; build LR schedulers on `engine.optimizer`).
-        mesh: the 1-D data-parallel mesh; default all ranks.
-        block_types: blocks to shard separately (see `apply_zero`).
-        sync_module_states: start every rank from the first rank's weights (see `apply_zero`).
-    """
-    config = load_config(config)
-    originals = {id(p): name for name, p in model.named_parameters()}
-    if not is_zero_applied(model):
-        mesh = data_parallel_mesh(mesh)
-        model = apply_zero(model, config, mesh=mesh, block_types=block_types, sync_module_states=sync_module_states)
-    engine = ZeroEngine(model, config, mesh=mesh)
-    if optimizer is not None:
-        if engine._replicated is not None:
-            replacement = engine._replicated.master_of()
-        else:
-            new = dict(model.named_parameters())
-            replacement = {id(p): p for p in new.values()}
-            replacement.update({pid: new[name] for pid, name in originals.items() if name in new})
-        engine._set_optimizer(optimizer, replacement)
-    return engine

@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
 from ds_plugin.config import TrainingConfig
-from ds_plugin.presets import load_config
-from ds_plugin.zero.apply import apply_zero
+from ds_plugin.zero.apply import apply_zero, plan_for
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device
+from ds_plugin.zero.plan import ZeroPlan
 from ds_plugin.zero.stage1 import shard_rows
 from ds_plugin.zero.wrap import BlockTypes
 
@@ -227,7 +227,7 @@ def materialize_(
 
 def init_sharded(
     model_fn: Callable[[], nn.Module],
-    config: TrainingConfig | dict[str, Any] | str,
+    config: ZeroPlan | TrainingConfig | dict[str, Any] | str,
     *,
     mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
@@ -241,20 +241,20 @@ def init_sharded(
 
     Args:
         model_fn: builds the model, e.g. `lambda: GPT2LMHeadModel(cfg)`; run under `meta_init`.
-        config: a `TrainingConfig`, a DeepSpeed config dict or the path to one.
+        config: a `ZeroPlan`, a `TrainingConfig`, a preset name, a DeepSpeed config dict or the path to one.
         mesh: the 1-D data-parallel mesh; default all ranks.
         block_types: blocks to shard separately (see `apply_zero`).
         init_fn: the initialisation, called once with the model (default: see the module doc).
         seed: initialisation seed; the same seed gives the same weights at every world size and stage.
     """
-    config = load_config(config)
     mesh = data_parallel_mesh(mesh)
+    plan = plan_for(config, mesh)
     with meta_init():
         model = model_fn()
-    if config.stage >= 2:
-        model = apply_zero(model, config, mesh=mesh, block_types=block_types)
+    if plan.stage >= 2:
+        model = apply_zero(model, plan, mesh=mesh, block_types=block_types)
         peak = materialize_(model, device=mesh_device(mesh), init_fn=init_fn, seed=seed)
         logger.debug("sharded init: largest temporary tensor %d bytes", peak)
         return model
     materialize_(model, device=mesh_device(mesh), init_fn=init_fn, seed=seed)
-    return apply_zero(model, config, mesh=mesh, block_types=block_types)
+    return apply_zero(model, plan, mesh=mesh, block_types=block_types)

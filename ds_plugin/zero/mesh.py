@@ -1,32 +1,23 @@
-"""The data-parallel device mesh ZeRO shards over, and the checks that need the world size.
+"""The data-parallel device mesh ZeRO shards over.
 
 Every stage uses one 1-D `DeviceMesh` over all data-parallel ranks, so the fp32 master weights and the
 optimizer state are `Shard(0)` DTensors on the same mesh whatever the stage: a checkpoint written at one
 stage or world size loads at another. hpZ does not need a second mesh: FSDP2 builds the intra-group
-process groups itself from `reshard_after_forward=k`.
+process groups itself from `reshard_after_forward=k` (the plan's, see `plan.py`).
 """
 
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ds_plugin.config import ConfigError, TrainingConfig
-
 __all__ = [
     "ZeroSetupError",
     "data_parallel_mesh",
     "mesh_device",
-    "reshard_after_forward",
-    "resolve_for_world",
     "torch_dtype",
 ]
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,47 +78,3 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
-
-
-def resolve_for_world(config: TrainingConfig, world_size: int) -> TrainingConfig:
-    """Resolve what the config leaves to the world size (an "auto" hpZ group = the ranks of one node).
-
-    Args:
-        config: the training config.
-        world_size: the data-parallel world size.
-    """
-    if config.zero_optimization.zero_hpz_partition_size == "auto":
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        config = config.resolve(ranks_per_node=min(per_node, world_size))
-    return config
-
-
-def reshard_after_forward(config: TrainingConfig, world_size: int) -> bool | int:
-    """FSDP2's `reshard_after_forward` for the config's stage and hpZ group size.
-
-    Stage 2 keeps gathered weights from forward to backward (False); stage 3 frees them (True); hpZ with
-    k > 1 keeps a 1/k secondary shard inside each group of k ranks (the int k), so backward's all-gather
-    stays inside a node.
-
-    Args:
-        config: the training config (stage 2 or 3).
-        world_size: the data-parallel world size.
-
-    Raises:
-        ConfigError: the hpZ group size does not divide the world size.
-    """
-    if config.stage == 2:
-        return False
-    k = config.zero_optimization.hpz_partition_size
-    if k <= 1:
-        return True
-    if k > world_size or world_size % k:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size: {k} does not divide the world size {world_size}; "
-            "use a divisor of the world size (usually the ranks per node) or 1 to turn hpZ off"
-        )
-    if k == world_size:
-        # A secondary group spanning the whole world is the primary one; FSDP2 rejects the int form here.
-        logger.info("hpZ partition size %d equals the world size: plain stage 3", k)
-        return True
-    return k

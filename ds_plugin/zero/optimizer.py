@@ -42,9 +42,10 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement
     """The optimizer over the ZeRO parameters.
 
     Args:
-        spec: a factory called with the trainable ZeRO parameters, or an optimizer built on the original
-            model's parameters (rebuilt: same class, same param groups and hyper-parameters; it must not have
-            stepped yet, and is emptied so it cannot keep the unsharded weights alive).
+        spec: a factory called with the trainable ZeRO parameters (its optimizer may be built on those or on the
+            model's own parameters), or an optimizer built on the original model's parameters (rebuilt: same
+            class, same param groups and hyper-parameters; it must not have stepped yet, and is emptied so it
+            cannot keep the unsharded weights alive).
         params: the trainable ZeRO parameters (what the optimizer steps).
         replacement: id(original parameter) -> its ZeRO parameter (frozen ones included).
 
@@ -54,7 +55,11 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement
     if not isinstance(spec, torch.optim.Optimizer):
         if not callable(spec):
             raise ZeroSetupError(f"optimizer: {type(spec).__name__} is neither a torch optimizer nor a factory")
-        return spec(params)
+        spec = spec(params)
+        if not isinstance(spec, torch.optim.Optimizer):
+            return spec
+        # A factory may also build on the model's own parameters (Lightning's configure_optimizers does): then
+        # it is rebuilt on the ZeRO parameters below, like an optimizer passed directly.
     own = {id(p) for p in params} | {id(p) for p in replacement.values()}
     if all(id(p) in own for g in spec.param_groups for p in g["params"]):
         return spec  # already built on the ZeRO parameters

@@ -21,22 +21,23 @@ yet run on a GPU).
 Non-float buckets (FSDP2 gathers mixed-dtype parameters as raw bytes) and reduction ops other than SUM/AVG
 take the plain collective; each such fallback is counted in `ZeroPPStats` so the comms logger can report it.
 
-The quantize / dequantize steps live in `ds_plugin.quant.fused`: the blockwise format's math, compiled into
-one loop per step for large CPU buckets (eager torch there would cost more than a slow link saves).
+The quantize / dequantize steps come from `ds_plugin.quant.dispatch`: the blockwise format (`quant/format.py`)
+in Triton on CUDA, and in torch on CPU, compiled into one loop per step for large buckets (eager torch there
+would cost more than a slow link saves).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
-from ds_plugin.quant.fused import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
+from ds_plugin.quant.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
 
 __all__ = [
     "QuantizedAllGather",
@@ -44,7 +45,6 @@ __all__ = [
     "ZeroPPStats",
     "install_zeropp",
     "node_groups",
-    "ranks_per_node",
     "zeropp_stats",
 ]
 
@@ -339,11 +339,6 @@ def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGro
     return intra, inter
 
 
-def ranks_per_node(world_size: int) -> int:
-    """Ranks sharing a node: torchrun's LOCAL_WORLD_SIZE (set it per rank to simulate nodes), else all ranks."""
-    return max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size))
-
-
 _STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -352,41 +347,43 @@ def zeropp_stats(model: torch.nn.Module) -> ZeroPPStats | None:
     return _STATS.get(model)
 
 
-def install_zeropp(model: torch.nn.Module, config, mesh) -> ZeroPPStats | None:
-    """Swap FSDP2's collectives for qwZ / qgZ on every sharded module of `model`, as the config asks.
+def install_zeropp(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    *,
+    weights_block: int | None,
+    gradients_block: int | None,
+    ranks_per_node: int,
+) -> ZeroPPStats | None:
+    """Swap FSDP2's collectives for qwZ / qgZ on every sharded module of `model`.
 
-    Collective: every rank must call it (qgZ's node groups are created here).
+    Collective: every rank must call it (the node groups of the two-level collectives are created here).
 
     Args:
         model: a model `fully_shard` has been applied to (ZeRO stage 3).
-        config: the `TrainingConfig`; reads `zero_quantized_weights`, `zero_quantized_gradients` and their
-            block sizes.
         mesh: the 1-D data-parallel mesh the model is sharded over.
+        weights_block: qwZ's elements per INT8 scale; None leaves the weight all-gather alone.
+        gradients_block: qgZ's elements per INT4 scale; None leaves the gradient reduce-scatter alone.
+        ranks_per_node: ranks on one node; with several nodes the collectives take two levels (inside a node,
+            across nodes), so each byte crosses the node boundary once.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    zero = config.zero_optimization
-    if not (zero.zero_quantized_weights or zero.zero_quantized_gradients):
+    if weights_block is None and gradients_block is None:
         return None
     stats = ZeroPPStats()
     intra = inter = None
     world = mesh.size()
-    if world == dist.get_world_size():
-        per_node = ranks_per_node(world)
-        if 1 < per_node < world and world % per_node == 0:
-            intra, inter = node_groups(per_node)
+    if world == dist.get_world_size() and 1 < ranks_per_node < world and world % ranks_per_node == 0:
+        intra, inter = node_groups(ranks_per_node)
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        if zero.zero_quantized_weights:
-            module.set_custom_all_gather(
-                QuantizedAllGather(zero.zero_quantized_weights_block_size, stats, intra_group=intra, inter_group=inter)
-            )
-        if zero.zero_quantized_gradients:
+        if weights_block is not None:
+            module.set_custom_all_gather(QuantizedAllGather(weights_block, stats, intra_group=intra, inter_group=inter))
+        if gradients_block is not None:
             module.set_custom_reduce_scatter(
-                QuantizedReduceScatter(
-                    zero.zero_quantized_gradients_block_size, intra_group=intra, inter_group=inter, stats=stats
-                )
+                QuantizedReduceScatter(gradients_block, intra_group=intra, inter_group=inter, stats=stats)
             )
     _STATS[model] = stats
     return stats

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from ds_plugin.kernels import quant_triton
-from ds_plugin.quant import blockwise
+from ds_plugin.quant import dispatch, fused
 from ds_plugin.quant.blockwise import QuantizedBlocks, dequantize_blockwise, quantize_blockwise
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -166,10 +166,10 @@ def test_interpreted_check_finite_raises(interpreter):
 def test_auto_dispatch(monkeypatch):
     x = torch.randn(8)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert blockwise._triton_kernels(x, "auto") is None
+    assert dispatch.triton_kernels(x, "auto") is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert blockwise._triton_kernels(x, "auto") is quant_triton
-    assert blockwise._triton_kernels(x, "torch") is None
+    assert dispatch.triton_kernels(x, "auto") is quant_triton
+    assert dispatch.triton_kernels(x, "torch") is None
 
 
 def test_kernels_are_jitted_per_mode(monkeypatch):
@@ -191,7 +191,7 @@ GPU_CASES = [(1, 2), (10007, 100), (65536 + 3, 64), ((1 << 20) + 3, 2048), (3 * 
 @pytest.mark.parametrize(("numel", "block_size"), GPU_CASES, ids=str)
 def test_compiled_kernels_match_reference(compiled, numel, block_size, bits, dtype):
     x = make_input(numel, block_size, bits, dtype, seed=numel, device="cuda")
-    assert blockwise._triton_kernels(x, "auto") is quant_triton
+    assert dispatch.triton_kernels(x, "auto") is quant_triton
     check_against_reference(x, bits, block_size, interpreted=False)
     # The CUDA kernels also agree with the reference computed on CPU.
     on_cpu = quantize_blockwise(x.cpu(), bits, block_size, check_finite=False, backend="torch")
@@ -217,3 +217,146 @@ def test_compiled_kernels_handle_shapes(compiled, bits):
 def test_compiled_kernels_match_reference_on_extremes(compiled, bits, dtype):
     x = torch.tensor(EXTREME_BLOCKS).flatten().to(dtype).cuda()
     check_against_reference(x, bits, 4, interpreted=False)
+
+
+# The row steps of the ZeRO++ collectives: dispatch sends CUDA tensors (here: the interpreter) to the row kernels,
+# which must reproduce the torch backend (`fused`, itself the format's reference) bit for bit.
+ROW_SHAPES = [(3, 1000, 64), (2, 4097, 4096), (1, 10, 4), (4, 130, 64), (2, 7, 8), (1, 5, 1)]
+
+
+def _row_input(n: int, numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(n, numel, generator=torch.Generator().manual_seed(n * numel + block)) * 3
+    x[0, : min(block, numel)] = 0  # an all-zero block: scale 1, zero codes
+    if n > 2:
+        x[2, numel // 2] = math.inf  # a non-finite block: nan scale, zero codes
+        x[-1, 0] = math.nan
+    return x.to(dtype)
+
+
+def check_rows_against_torch(rows: torch.Tensor, block: int, bits: int) -> None:
+    want_codes, want_scales = fused.quantize_rows(rows, block, bits, compiled=False)
+    codes, scales = dispatch.quantize_rows(rows, block, bits, backend="triton")
+    assert codes.is_contiguous()
+    assert_same_bits(codes, want_codes)
+    assert_same_bits(scales, want_scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_interpreted_quantize_rows_matches_torch(interpreter, bits, dtype):
+    for n, numel, block in ROW_SHAPES:
+        if bits == 4 and block % 2:
+            continue
+        check_rows_against_torch(_row_input(n, numel, block, dtype), block, bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_interpreted_quantize_rows_reads_strided_views(interpreter, bits):
+    # qgZ's first hop quantizes chunks.view(nodes, local, n).transpose(0, 1)[..., a:b] in place; qwZ a 1-row view.
+    nodes, local, numel, block = 2, 3, 250, 64
+    chunks = torch.randn(nodes * local, numel).bfloat16()
+    view = chunks.view(nodes, local, numel).transpose(0, 1)
+    check_rows_against_torch(view, block, bits)
+    check_rows_against_torch(view[..., 64:250], block, bits)
+    check_rows_against_torch(view[1], block, bits)
+    check_rows_against_torch(chunks.view(1, -1), block, bits)
+    check_rows_against_torch(torch.randn(2, 3, 4, 40)[..., ::2].transpose(1, 2), 8, bits)  # copied first
+
+
+def _dequantize_rows_both(out_shape, x: torch.Tensor, block: int, view):
+    codes, scales = fused.quantize_rows(x, block, 8, compiled=False)
+    codes = codes.contiguous().view(-1)
+    got = torch.full(out_shape, 7.0, dtype=x.dtype)
+    want = torch.full(out_shape, 7.0, dtype=x.dtype)
+    dispatch.dequantize_rows_into(view(got), codes, scales, block, backend="triton")
+    fused.dequantize_rows_into(view(want), codes, scales, block, compiled=False)
+    return got, want
+
+
+def assert_rows_dequant_match(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype != torch.bfloat16:
+        assert_same_bits(got, want)
+        return
+    # The interpreter casts fp32 -> bf16 by truncation (see assert_dequant_matches): allow one bf16 ulp towards 0.
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    g, w = got[~nan].view(torch.int16).int(), want[~nan].view(torch.int16).int()
+    assert bool(((g == w) | (g == w - 1)).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_interpreted_dequantize_rows_into_matches_torch(interpreter, dtype):
+    for n, numel, block in ROW_SHAPES:
+        x = _row_input(n, numel, block, dtype)
+        got, want = _dequantize_rows_both((n, numel), x, block, lambda t: t)
+        assert_rows_dequant_match(got, want)
+
+
+@pytest.mark.parametrize("numel", [256, 250])
+def test_interpreted_dequantize_rows_into_transposed_view(interpreter, numel):
+    # qwZ's two-level gather writes rank (node, local) at [local, node] through a transposed view of the buffer.
+    nodes, local, block = 2, 3, 64
+    x = torch.randn(local, nodes, numel)
+    got, want = _dequantize_rows_both((nodes, local, numel), x, block, lambda t: t.transpose(0, 1))
+    assert_same_bits(got, want)
+    # A piece of the rows, as the pipelined gather decodes it.
+    x = torch.randn(local, nodes, 100)
+    got, want = _dequantize_rows_both((nodes, local, numel), x, block, lambda t: t.transpose(0, 1)[..., 64:164])
+    assert_same_bits(got, want)
+    # Leading dims that no two strides describe: decoded into contiguous memory, then copied.
+    x = torch.randn(3, 2, 2, 40)
+    got, want = _dequantize_rows_both((2, 2, 3, 40), x, 16, lambda t: t.transpose(0, 2))
+    assert_same_bits(got, want)
+
+
+def test_row_dispatch_rules(monkeypatch):
+    x = torch.randn(2, 64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    monkeypatch.setattr(quant_triton, "quantize_rows_triton", lambda *a: calls.append(a) or fused.quantize_rows(*a))
+    dispatch.quantize_rows(x, 16, 8)
+    dispatch.quantize_rows(x, 16, 8, compiled=False)
+    assert len(calls) == 2
+    # compiled=True is the compiled torch form, and backend="torch" keeps Triton out.
+    dispatch.quantize_rows(x, 16, 8, backend="torch")
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="compiled=True"):
+        dispatch.quantize_rows(x, 16, 8, compiled=True, backend="triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    dispatch.quantize_rows(x, 16, 8)
+    assert len(calls) == 2
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        dispatch.dequantize_rows_into(torch.empty(2, 64), torch.zeros(128, dtype=torch.int8), x, 16, backend="triton")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_interpreted_flat_bf16_scales_match_reference(interpreter, bits):
+    # The flat API now takes the kernels for bf16 scales too.
+    for numel, block_size in [(1001, 100), (700, 128), (9, 2)]:
+        x = make_input(numel, block_size, bits, torch.float32, seed=numel)
+        ref = quantize_blockwise(x, bits, block_size, check_finite=False, backend="torch", scale_dtype=torch.bfloat16)
+        got = quantize_blockwise(x, bits, block_size, check_finite=False, backend="triton", scale_dtype=torch.bfloat16)
+        assert_same_bits(got.data, ref.data)
+        assert_same_bits(got.scales, ref.scales)
+        assert_same_bits(dequantize_blockwise(got, backend="triton"), dequantize_blockwise(ref, backend="torch"))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_row_kernels_match_cpu_torch(compiled, bits, dtype):
+    for n, numel, block in [*ROW_SHAPES, (8, 65536 + 3, 4096)]:
+        if bits == 4 and block % 2:
+            continue
+        x = _row_input(n, numel, block, dtype)
+        codes, scales = dispatch.quantize_rows(x.cuda(), block, bits)
+        want_codes, want_scales = fused.quantize_rows(x, block, bits, compiled=False)
+        assert_same_bits(codes, want_codes.contiguous())
+        assert_same_bits(scales, want_scales)
+        if bits == 8:
+            out = torch.empty(n, numel, dtype=dtype, device="cuda")
+            dispatch.dequantize_rows_into(out, codes.view(-1), scales, block)
+            want = torch.empty(n, numel, dtype=dtype)
+            fused.dequantize_rows_into(want, want_codes.contiguous().view(-1), want_scales, block, compiled=False)
+            assert_same_bits(out, want)

@@ -65,7 +65,7 @@ def _config(recipe: str, all_gather: bool) -> dict:
 
 def _engine(model: nn.Module, recipe: str, all_gather: bool):
     from ds_plugin.precision.fp8_linear import convert_to_fp8_training
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     config = from_deepspeed(_config(recipe, all_gather))
     convert_to_fp8_training(model, config.fp8)
@@ -134,12 +134,10 @@ def _worker(rank: int, world: int, checkpoint: str) -> dict:
             out["train", recipe, all_gather] = _train(rank, recipe, all_gather)
             out["bytes", recipe, all_gather] = _gather_bytes(rank, recipe, all_gather)
     from ds_plugin.zero.apply import apply_zero
-    from ds_plugin.zero.mesh import ZeroSetupError
 
-    try:
-        apply_zero(Net(), _config("tensorwise", True), block_types=[Block])
-    except ZeroSetupError as e:
-        out["no_fp8_layers"] = str(e)
+    # The config's fp8 block alone: apply_zero swaps in the FP8 layers itself, then gathers them as FP8.
+    model = apply_zero(Net(), _config("tensorwise", True), block_types=[Block])
+    out["converted_by_apply_zero"] = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Fp8Linear")
     return out
 
 
@@ -208,7 +206,11 @@ def test_unshardable_layer_keeps_bf16_gather(results: dict) -> None:
     assert kept == {"layers.0.up.weight", "layers.1.up.weight"}
     assert all("192-row shard" in why for why in stats["bf16_layers"].values())
     assert set(stats["fp8_layers"]) == {"layers.0.down.weight", "layers.1.down.weight"}
-    assert "Fp8Linear" in results["no_fp8_layers"] and "convert_to_fp8_training" in results["no_fp8_layers"]
+    from ds_plugin.precision.fp8_linear import convert_to_fp8_training
+
+    by_hand = convert_to_fp8_training(Net(), "tensorwise")
+    expected = sorted(n for n, m in by_hand.named_modules() if type(m).__name__ == "Fp8Linear")
+    assert results["converted_by_apply_zero"] == expected and len(expected) == 5  # all but the lm_head
 
 
 def test_rowwise_dgrad_fold_is_as_accurate() -> None:
@@ -217,7 +219,7 @@ def test_rowwise_dgrad_fold_is_as_accurate() -> None:
     Re-quantizing the dequantized rowwise W per column instead would round W twice (about 20% more error).
     """
     from ds_plugin.precision.fp8 import quantize_blocks, quantize_weight, scaled_mm
-    from ds_plugin.precision.fp8_all_gather import Fp8GatheredWeight
+    from ds_plugin.precision.fp8_gathered import Fp8GatheredWeight
     from ds_plugin.precision.fp8_linear import _dgrad
 
     torch.manual_seed(0)

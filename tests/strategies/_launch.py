@@ -3,8 +3,8 @@
 Lightning's launcher re-runs the script itself for `devices=2`, so a multi-process Trainer test is a script,
 not a pytest body. Each script writes one JSON result file from rank 0 (renamed into place, so it is never
 half-written) *before* its final barrier and `destroy_process_group()`. Success is judged by that file: a
-process that aborts at interpreter exit after writing it (the spurious SIGABRT DESIGN.md section 5 records)
-does not fail the test, while a missing file fails it with the tail of the output. The whole process group
+process that aborts at interpreter exit after writing it (a spurious SIGABRT seen with Lightning's launcher) does
+not fail the test, while a missing file fails it with the tail of the output. The whole process group
 is killed at the timeout, so nothing hangs.
 """
 

@@ -28,6 +28,7 @@ from ds_plugin.strategies import (
 )
 from ds_plugin.strategies.lightning_precision import to_zero_precision
 from ds_plugin.zero.checkpoint import CheckpointError
+from ds_plugin.zero.plan import FrameworkSettings, resolve_plan
 
 NAMES = ["zero0", "zero1", "zero2", "zero3", "zero3_offload", "zeropp"]
 
@@ -153,8 +154,9 @@ def test_a_name_registered_by_someone_else_is_left_alone() -> None:
 
     fresh = _StrategyRegistry()
     fresh.register("zero1", dict, description="someone else's")
-    registry.register_names(fresh, ZeroStrategy)
-    assert fresh["zero1"]["strategy"] is dict and fresh["zeropp"]["strategy"] is ZeroStrategy
+    registry._register_names(fresh, registry.trainer_strategy)
+    assert fresh["zero1"]["strategy"] is dict and fresh["zeropp"]["strategy"] is registry.trainer_strategy
+    assert isinstance(fresh.get("zeropp"), ZeroStrategy)
 
 
 def test_without_registration_lightning_rejects_the_name() -> None:
@@ -191,10 +193,19 @@ def test_the_strategies_package_itself_imports_nothing_heavy() -> None:
 
 
 # -- config resolution against the Trainer ---------------------------------------------------------------------
-def resolve(config="zero3", precision="32-true", **kwargs):
-    cfg, explicit = _config.load_strategy_config(config, {}, owner="ZeroStrategy", cls=ZeroStrategy)
-    defaults = dict(plugin=ZeroPrecision(precision), world_size=2, ranks_per_node=2, owner="ZeroStrategy")
-    return _config.resolve_config(cfg, explicit, **{**defaults, **kwargs})
+def resolve(config="zero3", precision="32-true", world_size=2, ranks_per_node=2, **framework):
+    cfg, explicit = _config.load_strategy_config(config, {}, owner="ZeroStrategy", options=())
+    plugin = ZeroPrecision(precision)
+    settings = FrameworkSettings(
+        owner="ZeroStrategy",
+        precision=plugin.compute_dtype,
+        precision_label=plugin.precision,
+        explicit_keys=explicit,
+        accumulation_setting="Trainer(accumulate_grad_batches)",
+        clip_setting="Trainer(gradient_clip_val)",
+        **framework,
+    )
+    return resolve_plan(cfg, world_size=world_size, ranks_per_node=ranks_per_node, framework=settings).config
 
 
 def test_precision_fills_the_config_and_a_clash_is_one_line() -> None:

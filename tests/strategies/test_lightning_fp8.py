@@ -31,5 +31,5 @@ def test_fp8_all_gather_through_the_plugin_trains_alike(fp8: dict) -> None:
 def test_fp8_without_eligible_layers_is_one_line(fp8: dict) -> None:
     message = fp8["no_eligible_error"]
     assert "\n" not in message
-    assert message.startswith("Fp8Precision: no nn.Linear in TinyMLP is eligible")
+    assert message.startswith("fp8: no nn.Linear in TinyMLP is eligible")
     assert "multiples of 16" in message

@@ -117,7 +117,31 @@ def test_fabric_save_load_across_stages(suite: dict[str, Any]) -> None:
     assert f["step"] == 6 and f["remainder"] == {"note": "hello"}
     assert f["scheduler_epoch"][0] == f["scheduler_epoch"][1] and f["lr"][0] == f["lr"][1]
     assert f["optimizer_steps"] == [3, 3]
-    assert "gradient_clipping" in f["clip_error"]
+
+
+def test_trainer_clips_by_value_like_ddp(suite: dict[str, Any]) -> None:
+    runs = part(suite, "parity")["clip_value"]
+    for name in ("zero1", "zero3"):
+        assert_close(runs[name]["losses"], runs["ddp"]["losses"], REL)
+        assert runs[name]["config"]["gradient_clipping"] == 0.0  # by value, not the config's norm clipping
+    by_norm = part(suite, "parity")["names"]["ddp"]["losses"]  # same run, clipped by norm 0.05 instead
+    assert max(abs(a - b) for a, b in zip(runs["ddp"]["losses"][2:], by_norm[2:], strict=True)) > 1e-4
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_fabric_clip_gradients_matches_ddp(suite: dict[str, Any], clip: str) -> None:
+    f = part(suite, "fabric")
+    runs = {strategy: list(losses) for strategy, losses in f[f"clip_{clip}"].items()}
+    unclipped = f["losses"]["ddp"]
+    if clip == "norm":
+        norms = {strategy: losses.pop() for strategy, losses in runs.items()}
+        for strategy in ("zero1", "zero3"):
+            assert_close(norms[strategy], norms["ddp"], REL)  # the unsharded model's norm, before clipping
+        assert min(norms["ddp"]) > 0.05 * 2  # so clipping to 0.05 changed every step
+    for losses in runs.values():
+        assert_close(losses, runs["ddp"], REL)
+    # Clipping acted: after the first step the clipped runs train differently from the unclipped one.
+    assert max(abs(a - b) for a, b in zip(runs["ddp"][2:], unclipped[2:], strict=True)) > 1e-3
 
 
 def test_fabric_sharded_initialisation(suite: dict[str, Any]) -> None:
@@ -160,3 +184,16 @@ def test_ds_plugin_export_converts_a_trainer_checkpoint(suite: dict[str, Any], t
     assert set(state) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+
+
+def test_initialize_trainer_and_fabric_resolve_one_plan_and_train_alike(suite: dict[str, Any]) -> None:
+    p = part(suite, "plans")
+    plans, losses = p["plans"], p["losses"]
+    assert plans["trainer"] == plans["fabric"] == plans["initialize"]
+    plan = plans["initialize"]
+    assert (plan["stage"], plan["compute_dtype"], plan["gradient_clipping"]) == (3, "bf16", 0.5)
+    assert plan["quantized_weights_block"] == 4096 and plan["world_size"] == 2
+    # Same model, same batches per rank: the first loss (before any step) and the ones after each step agree.
+    assert len(losses["trainer"]) == 3
+    assert_close(losses["fabric"], losses["trainer"], 1e-6)
+    assert_close(losses["initialize"], losses["trainer"], 1e-6)

@@ -37,7 +37,7 @@ def _state_dicts(rank: int, world: int, ckpt: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard
 
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     out: dict = {}
     engines = {s: initialize(gpt2(), zero_config(s), make_optimizer("adamw")) for s in (0, 1, 2, 3)}
@@ -74,7 +74,7 @@ def _state_dicts(rank: int, world: int, ckpt: str) -> dict:
 
 
 def _optimizers(rank: int, world: int) -> dict:
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     out: dict = {}
     for stage in (1, 3):
@@ -130,7 +130,7 @@ def _optimizers(rank: int, world: int) -> dict:
 
 
 def _no_sync_fp16_bnb(rank: int, world: int) -> dict:
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     out: dict = {}
     for stage in (0, 1, 2, 3):
@@ -190,13 +190,13 @@ def _no_sync_fp16_bnb(rank: int, world: int) -> dict:
 
 
 def _mixed(rank: int, world: int) -> dict:
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda rec: records.append(rec.getMessage())
-    logging.getLogger("ds_plugin.zero.apply").addHandler(handler)
-    logging.getLogger("ds_plugin.zero.apply").setLevel(logging.INFO)
+    logging.getLogger("ds_plugin.zero").addHandler(handler)
+    logging.getLogger("ds_plugin.zero").setLevel(logging.INFO)
     out: dict = {}
     fp32 = initialize(gpt2(), zero_config(1, gas=2), make_optimizer("adamw"))
     ref_accum = train_engine(fp32, rank, world, 4, per_rank=4)["loss"]
@@ -308,7 +308,7 @@ def test_bf16_with_fp32_accumulation_and_cpu_offload(two_ranks, stage):
     for r in results:
         assert r["fp32_accum", stage] < 1e-2
         assert r["offload", stage] < 1e-5
-    assert len(results[0]["notices"]) == 2  # one notice per apply_zero that asked for offload
+    assert len(results[0]["notices"]) == 2  # one notice per setup that asked for offload: the plan is resolved once
 
 
 # ---------------------------------------------------------------------------------------------- 4 ranks
@@ -317,7 +317,7 @@ def test_bf16_with_fp32_accumulation_and_cpu_offload(two_ranks, stage):
 def _stage1_sharding(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
     from ds_plugin.zero.stage1 import shard_rows
 
     out: dict = {}
@@ -386,7 +386,7 @@ def _sharded_init(rank: int, world: int) -> dict:
 def _load_and_errors(rank: int, world: int, ckpt: str, saved: dict) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     out: dict = {}
     engine = initialize(gpt2(seed=5), zero_config(3), make_optimizer("adamw"))

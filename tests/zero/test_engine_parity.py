@@ -28,7 +28,7 @@ def _parity_worker(rank: int, world: int) -> dict:
     quiet()
     from _tiny import make_optimizer
 
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     out: dict = {}
     for name, build in MODELS.items():
@@ -48,7 +48,7 @@ def _parity_worker(rank: int, world: int) -> dict:
 def _accumulation(rank: int, world: int, out: dict) -> None:
     from _tiny import batch, gpt2, make_optimizer
 
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     for stage in STAGES:
         whole = initialize(gpt2(), zero_config(stage), make_optimizer("adamw"))
@@ -68,7 +68,7 @@ def _accumulation(rank: int, world: int, out: dict) -> None:
 def _clipping(rank: int, world: int, out: dict) -> None:
     from _tiny import gpt2, make_optimizer
 
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     clip = 0.05
     out["clip", "ddp"] = train_ddp(gpt2(), rank, world, 5, clip=clip)

@@ -29,7 +29,7 @@ def _poison(engine, value: float) -> None:
 
 def _worker(rank: int, world: int) -> dict:
     quiet()
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     out = {}
     for stage in (1, 2, 3):

@@ -36,7 +36,7 @@ def _train(engine, rank: int, world: int, steps: range) -> list[float]:
 def _first(rank: int, world: int, ckpt: str) -> list[float]:
     quiet()
     from ds_plugin.zero.checkpoint import save_checkpoint
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     engine = initialize(gpt2(), zero_config(3), make_optimizer("adamw"))
     _train(engine, rank, world, range(BEFORE))
@@ -52,7 +52,7 @@ def _first(rank: int, world: int, ckpt: str) -> list[float]:
 def _resume(rank: int, world: int, ckpt: str, stage: int) -> list[float]:
     quiet()
     from ds_plugin.zero.checkpoint import load_checkpoint
-    from ds_plugin.zero.engine import initialize
+    from ds_plugin.zero.setup import initialize
 
     engine = initialize(gpt2(seed=123), zero_config(stage), make_optimizer("adamw"))  # other init: must be overwritten
     model_state, optim_state = engine.model_state_dict(), engine.optimizer_state_dict()

@@ -1,6 +1,7 @@
 """`Fabric(strategy="zero1"/"zero3")` against `Fabric(strategy="ddp")` on 2 CPU ranks: per-step losses with
-gradient accumulation through `no_backward_sync` and an LR scheduler passed to `setup`; then `fabric.save` at
-stage 3 and `fabric.load` into a stage-2 run, which must restore weights, scheduler and plain entries.
+gradient accumulation through `no_backward_sync` and an LR scheduler passed to `setup`, also with
+`fabric.clip_gradients` by norm and by value; then `fabric.save` at stage 3 and `fabric.load` into a stage-2 run,
+which must restore weights, scheduler and plain entries.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from _tiny_lightning import max_diff, regression_loader, run
 from lightning.fabric import Fabric
 
 ACCUMULATE, STEPS = 2, 3
+# Small enough that both clip: the gradients' global norm here is ~0.3-1, and most elements exceed 0.01.
+CLIP = {"norm": {"max_norm": 0.05}, "value": {"clip_val": 0.01}}
 
 
 def _model() -> torch.nn.Module:
@@ -33,9 +36,9 @@ def _setup(strategy: str) -> tuple[Fabric, Any, Any, Any]:
     return fabric, model, opt, sched
 
 
-def _train(strategy: str) -> tuple[list[float], Fabric, Any, Any, Any]:
+def _train(strategy: str, clip: str | None = None) -> tuple[list[float], Fabric, Any, Any, Any]:
     fabric, model, opt, sched = _setup(strategy)
-    losses = []
+    losses, norms = [], []
     for i, (x, y) in enumerate(fabric.setup_dataloaders(regression_loader(n=64))):
         accumulating = (i + 1) % ACCUMULATE != 0
         with fabric.no_backward_sync(model, enabled=accumulating):
@@ -43,11 +46,16 @@ def _train(strategy: str) -> tuple[list[float], Fabric, Any, Any, Any]:
             fabric.backward(loss / ACCUMULATE)
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
         if not accumulating:
+            if clip is not None:
+                norm = fabric.clip_gradients(model, opt, **CLIP[clip])
+                norms.append(None if norm is None else float(norm))
             opt.step()
             sched.step()
             opt.zero_grad()
         if len(losses) == ACCUMULATE * STEPS:
             break
+    if clip == "norm":
+        losses.append(norms)  # the pre-clipping norms, one per optimizer step
     return losses, fabric, model, opt, sched
 
 
@@ -80,10 +88,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for strategy in ("ddp", "zero1", "zero3"):
         out["losses"][strategy], fabric, model, opt, sched = _train(strategy)
     out["engine_steps"] = [fabric.strategy.engine.global_steps, fabric.strategy.engine.micro_steps]
-    try:
-        fabric.clip_gradients(model, opt, max_norm=1.0)
-    except NotImplementedError as e:
-        out["clip_error"] = str(e)
+    for clip, strategies in (("norm", ("ddp", "zero1", "zero3")), ("value", ("ddp", "zero3"))):
+        out[f"clip_{clip}"] = {strategy: _train(strategy, clip)[0] for strategy in strategies}
     saved = fabric.strategy.full_state_dict()
     path = args.workdir / "fabric_ckpt"
     fabric.save(path, {"model": model, "optimizer": opt, "scheduler": sched, "step": 6, "note": "hello"})

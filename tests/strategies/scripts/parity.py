@@ -3,6 +3,7 @@
 - fp32, tiny GPT-2 and tiny Llama, AdamW + a per-step LambdaLR: ddp, zero1, zero2, zero3.
 - a tiny MLP whose `training_step` calls `self(x)`, with `accumulate_grad_batches=2` and `gradient_clip_val`
   (Trainer values -> config): ddp, zero0, zero1, zero3_offload, zeropp (with zero2/zero3 above, every name).
+- the same MLP clipped by value (`gradient_clip_algorithm="value"`): ddp, zero1, zero3.
 - bf16-mixed on zero3 (the config's bf16 block comes from the Trainer's precision).
 - sharded initialisation: a GPT-2 built in `configure_model` under `meta_init`, materialised shard by shard.
 - the strategy's collectives: reduce, all_gather, broadcast, reduce_boolean_decision, barrier.
@@ -73,6 +74,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                          gradient_clip_val=0.05)  # fmt: skip
         out["names"][name] = {"losses": losses, "config": _config(t) if name != "ddp" else {}}
     out["collectives"] = _collectives(t)
+    out["clip_value"] = {}
+    for name in ("ddp", "zero1", "zero3"):
+        losses, t = _fit(name, TinyMLP(), regression_loader(), steps=3, accumulate_grad_batches=2,
+                         gradient_clip_val=0.01, gradient_clip_algorithm="value")  # fmt: skip
+        out["clip_value"][name] = {"losses": losses, "config": _config(t) if name != "ddp" else {}}
     losses, t = _fit("zero3", CausalLM(hf_model("gpt2")), token_loader(), steps=4, precision="bf16-mixed")
     out["bf16"] = {"losses": losses, "config": _config(t), "fp32": out["parity"]["gpt2"]["zero3"]}
     module = MetaCausalLM()

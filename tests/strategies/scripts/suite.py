@@ -1,6 +1,7 @@
 """Every two-rank Lightning check that can share one launch (Lightning's launcher re-runs this script for rank 1).
 
-Parts, in order: parity (all strategy names vs ddp), lora (peft + zeropp), fabric, resume (needs `--killed`, the
+Parts, in order: parity (all strategy names vs ddp), lora (peft + zeropp), fabric, plans (one config through
+initialize, the Trainer and Fabric), resume (needs `--killed`, the
 workdir of a `resume.py --mode kill` run). An exception inside a Trainer makes Lightning kill the other rank,
 so the suite stops at the first failing part and reports it; later parts are marked as not run.
 """
@@ -15,10 +16,17 @@ from typing import Any
 import fabric_zero
 import lora_zeropp
 import parity
+import plan_parity
 import resume
 from _tiny_lightning import run
 
-PARTS = {"parity": parity.main, "lora": lora_zeropp.main, "fabric": fabric_zero.main, "resume": resume.resume}
+PARTS = {
+    "parity": parity.main,
+    "lora": lora_zeropp.main,
+    "fabric": fabric_zero.main,
+    "plans": plan_parity.main,
+    "resume": resume.resume,
+}
 
 
 def _args(parser: argparse.ArgumentParser) -> None:

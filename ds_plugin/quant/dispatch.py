@@ -1,0 +1,184 @@
+"""The one dispatch for the blockwise INT8 / INT4 format: which backend quantizes and dequantizes a tensor.
+
+Two backends implement :mod:`ds_plugin.quant.format`, bit for bit:
+
+* **Triton** (:mod:`ds_plugin.kernels.quant_triton`): taken by ``backend="auto"`` for CUDA tensors when triton is
+  importable, and for any tensor when ``TRITON_INTERPRET=1`` is set (Triton's CPU interpreter, for tests).
+  ``triton`` is imported lazily, on the first tensor that could use it, so this module imports without it.
+* **torch**: everything else. The flat API (:mod:`ds_plugin.quant.blockwise`) runs the format's reference; the row
+  steps run :mod:`ds_plugin.quant.fused`, eager or, for large CPU buckets, ``torch.compile``-d.
+
+:func:`triton_kernels` is the rule, used by the flat API and by the row steps below. The row steps are what the
+ZeRO++ collectives (:mod:`ds_plugin.zero.zeropp`) call. Their ``compiled`` argument picks between the torch
+forms: ``True`` asks for the compiled torch form (and so for torch), ``False`` / ``None`` leave the choice of
+backend to the rule, so the collectives' CPU-only compile decision sends CUDA buckets to Triton.
+
+:func:`dequantize_sum_rows` (qgZ's decode-and-sum) has no Triton kernel: it runs in torch on every device. Its
+result does not depend on which backend produced the codes, since both produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, Literal
+
+from torch import Tensor
+
+from ds_plugin.quant import fused
+from ds_plugin.quant.fused import compile_report, use_compiled
+
+__all__ = [
+    "Backend",
+    "compile_report",
+    "dequantize_rows_into",
+    "dequantize_sum_rows",
+    "interpreter_requested",
+    "quantize_rows",
+    "triton_kernels",
+    "use_compiled",
+]
+
+Backend = Literal["auto", "torch", "triton"]
+
+logger = logging.getLogger(__name__)
+
+
+def interpreter_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter, read without importing triton."""
+    # Same spelling triton accepts for its boolean environment knobs.
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+
+
+@functools.cache
+def _load_triton_kernels() -> ModuleType | None:
+    try:
+        return importlib.import_module("ds_plugin.kernels.quant_triton")
+    except ImportError:
+        return None
+
+
+def triton_kernels(t: Tensor, backend: Backend = "auto") -> ModuleType | None:
+    """The Triton kernel module when ``backend`` selects it for tensors like ``t``, else None (torch).
+
+    Args:
+        t: the tensor to be read or written (its device decides).
+        backend: ``"auto"`` (Triton where it can run: CUDA with triton importable, or ``TRITON_INTERPRET=1``),
+            ``"torch"`` or ``"triton"`` (raises ``RuntimeError`` where Triton cannot run).
+    """
+    if backend == "torch":
+        return None
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    # Checked before importing so the CPU path never pays for (or needs) a triton import.
+    runnable = t.is_cuda or interpreter_requested()
+    kernels = _load_triton_kernels() if runnable else None
+    if backend == "triton" and kernels is None:
+        why = "triton is not importable" if runnable else "the tensor is on CPU and TRITON_INTERPRET=1 is not set"
+        raise RuntimeError(f"backend='triton' cannot run here: {why}")
+    return kernels
+
+
+# The row kernels' first launch on a device is their first compile there. Should it fail (a Triton or driver
+# version these kernels were never run on), training goes on in torch with one warning instead of dying inside a
+# collective; once a launch has succeeded, errors propagate as usual.
+_triton_rows = {"verified": False, "failed": None}
+
+
+def _row_kernels(t: Tensor, compiled: bool | None, backend: Backend) -> ModuleType | None:
+    if compiled:
+        if backend == "triton":
+            raise ValueError("compiled=True asks for the compiled torch form; it cannot run with backend='triton'")
+        return None
+    if backend == "auto" and _triton_rows["failed"] is not None:
+        return None
+    return triton_kernels(t, backend)
+
+
+def _launch_rows(backend: Backend, kernel: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """Run a row kernel; (False, None) when its first launch failed and the caller should use torch."""
+    try:
+        result = kernel(*args)
+    except Exception as e:
+        if backend == "triton" or _triton_rows["verified"]:
+            raise
+        _triton_rows["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        logger.warning("Triton quantizer failed on first use (%s); using the torch form", _triton_rows["failed"])
+        return False, None
+    _triton_rows["verified"] = True
+    return True, result
+
+
+def quantize_rows(
+    rows: Tensor, block: int, bits: int, *, compiled: bool | None = None, backend: Backend = "auto"
+) -> tuple[Tensor, Tensor]:
+    """Quantize the rows (last dim) of a float tensor blockwise with bf16 scales; blocks never straddle rows.
+
+    Args:
+        rows: ``(..., numel)`` fp32, bf16 or fp16; any strides along the leading dims (a transposed view is
+            read in place, and its codes come out in the view's order).
+        block: elements per scale; even for 4 bits. Each row is zero-padded to whole blocks for quantizing.
+        bits: 8 (int8 codes, ``(..., numel)``) or 4 (uint8, two codes per byte, ``(..., ceil(numel / 2))``).
+        compiled: True for the compiled torch form; False / None let ``backend`` decide, and for torch, False
+            is the eager form and None decides by size and environment (:func:`use_compiled`).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`triton_kernels`).
+
+    Returns:
+        ``(codes, scales)``: codes of the real elements only (possibly a view that needs ``.contiguous()``), and
+        bf16 scales, ``ceil(numel / block)`` per row, row after row.
+    """
+    kernels = _row_kernels(rows, compiled, backend)
+    if kernels is not None:
+        ran, result = _launch_rows(backend, kernels.quantize_rows_triton, rows, block, bits)
+        if ran:
+            return result
+    return fused.quantize_rows(rows, block, bits, compiled=compiled)
+
+
+def dequantize_rows_into(
+    out: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    block: int,
+    *,
+    compiled: bool | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """Write ``codes * scale`` (INT8 rows from :func:`quantize_rows`) into ``out``, in ``out``'s dtype.
+
+    Args:
+        out: ``(..., numel)`` fp32, bf16 or fp16 destination; any strides along the leading dims (qwZ's
+            two-level gather writes through a transposed view of FSDP2's buffer).
+        codes: int8 codes of the rows in ``out``'s index order, contiguous, ``out.numel()`` of them.
+        scales: bf16 scales in the same order, ``ceil(numel / block)`` per row.
+        block: the block size used to quantize.
+        compiled: as for :func:`quantize_rows`.
+        backend: as for :func:`quantize_rows`.
+    """
+    kernels = _row_kernels(out, compiled, backend)
+    if kernels is not None and _launch_rows(backend, kernels.dequantize_rows_into_triton, out, codes, scales, block)[0]:
+        return
+    fused.dequantize_rows_into(out, codes, scales, block, compiled=compiled)
+
+
+def dequantize_sum_rows(
+    packed: Tensor, scales: Tensor, own: Tensor, me: int, block: int, *, compiled: bool | None = None
+) -> Tensor:
+    """fp32 sum of the INT4 rows of every peer, with peer ``me``'s replaced by this rank's exact values (torch).
+
+    Args:
+        packed: uint8, ``(peers, ..., ceil(numel / 2))``, as :func:`quantize_rows` packs ``(..., numel)`` rows.
+        scales: their bf16 scales, as :func:`quantize_rows` returned them.
+        own: this rank's unquantized rows, ``(..., numel)``: they never crossed the wire, so they are summed exact.
+        me: this rank's index among the peers.
+        block: the block size used to quantize (even).
+        compiled: the compiled (True) or eager (False) torch form; None decides by size and environment.
+
+    Returns:
+        fp32, ``(..., numel)``.
+    """
+    return fused.dequantize_sum_rows(packed, scales, own, me, block, compiled=compiled)

@@ -1,0 +1,147 @@
+"""`setup_zero`: apply a `ZeroPlan` to a model and an optimizer, in one fixed order, for every entry point.
+
+`initialize` (DeepSpeed's verb), the Lightning Trainer and Fabric strategies and the Accelerate adapter all end
+here; each resolves its inputs into a plan first (`plan.py`) and keeps only what is framework-specific. The order,
+and why:
+
+1. materialise a meta-device model at stages 0/1 (they keep whole weights on every rank anyway);
+2. `apply_zero`: rank 0's weights to every rank → FP8 layers → fp32 masters → shard or replicate → ZeRO++
+   collectives (see `apply.py` for the reasons inside that step);
+3. materialise a meta-device model at stages 2/3, now that each rank allocates only its own shards;
+4. the optimizer, rebuilt on the fp32 master parameters (an optimizer built on the model's parameters before
+   setup is mapped across by parameter name);
+5. the engine, with the comms logger switched on when the config asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ds_plugin.config import TrainingConfig
+from ds_plugin.zero.apply import apply_zero, has_fp8_layers, is_zero_applied, plan_for
+from ds_plugin.zero.comms_logger import comms_logger_from_config
+from ds_plugin.zero.engine import ZeroEngine
+from ds_plugin.zero.init import materialize_
+from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device
+from ds_plugin.zero.optimizer import OptimizerSpec
+from ds_plugin.zero.plan import ZeroPlan
+from ds_plugin.zero.wrap import BlockTypes
+
+__all__ = ["has_meta", "initialize", "setup_zero"]
+
+logger = logging.getLogger(__name__)
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer is still on the meta device.
+
+    Args:
+        module: any module.
+    """
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def setup_zero(
+    model: nn.Module,
+    plan: ZeroPlan,
+    optimizer: OptimizerSpec | None = None,
+    *,
+    mesh: DeviceMesh,
+    block_types: BlockTypes | None = None,
+    sync_module_states: bool = True,
+    device: torch.device | None = None,
+) -> ZeroEngine:
+    """Apply `plan` to `model` (and the optimizer) and return the engine that trains it.
+
+    A model that already went through `apply_zero` (a Lightning `configure_model`, or an earlier setup) is not
+    sharded again; a new engine is built on it.
+
+    Args:
+        model: the model, on CPU, its accelerator or the meta device.
+        plan: the resolved plan (`resolve_plan`), for `mesh`'s world size.
+        optimizer: a factory `params -> optimizer` (called with the trainable fp32 master parameters; it may also
+            build on the model's own parameters), or an optimizer built on `model.parameters()` that has not
+            stepped (rebuilt with the same class and param groups); None for an engine without one.
+        mesh: the 1-D data-parallel mesh.
+        block_types: blocks to shard separately (see `apply_zero`).
+        sync_module_states: start every rank from the first rank's weights (see `apply_zero`).
+        device: where a meta-device model is materialised; default this rank's mesh device.
+
+    Raises:
+        ZeroSetupError: a model or optimizer the plan cannot be applied to (one line).
+    """
+    device = device or mesh_device(mesh)
+    originals = {id(p): name for name, p in model.named_parameters()}
+    if is_zero_applied(model):
+        if plan.fp8 is not None and not has_fp8_layers(model):
+            raise ZeroSetupError(
+                "fp8: the model was sharded before FP8 layers were swapped in (e.g. in configure_model); call "
+                "ds_plugin.precision.fp8_linear.convert_to_fp8_training(model, config.fp8) before apply_zero"
+            )
+    else:
+        meta = has_meta(model)
+        if meta and plan.stage < 2:
+            materialize_(model, device=device)
+            meta = False
+        apply_zero(model, plan, mesh=mesh, block_types=block_types, sync_module_states=sync_module_states)
+        if meta:
+            materialize_(model, device=device)
+    engine = ZeroEngine(model, plan, mesh=mesh, comms_logger=_comms_logger(plan, mesh))
+    if optimizer is not None:
+        if engine._replicated is not None:
+            replacement = engine._replicated.master_of()
+        else:
+            # fully_shard replaced the parameters with DTensor ones under the same names.
+            new = dict(model.named_parameters())
+            replacement = {id(p): p for p in new.values()}
+            replacement.update({pid: new[name] for pid, name in originals.items() if name in new})
+        engine._set_optimizer(optimizer, replacement)
+    return engine
+
+
+def _comms_logger(plan: ZeroPlan, mesh: DeviceMesh) -> Any:
+    if plan.comms_logger is None:
+        return None
+    log = comms_logger_from_config(plan.comms_logger)
+    log.label_mesh(mesh)
+    return log
+
+
+def initialize(
+    model: nn.Module,
+    config: ZeroPlan | TrainingConfig | dict[str, Any] | str | os.PathLike,
+    optimizer: OptimizerSpec | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    block_types: BlockTypes | None = None,
+    sync_module_states: bool = True,
+) -> ZeroEngine:
+    """DeepSpeed's `initialize`: apply ZeRO to the model, put the optimizer on its master shards.
+
+    Args:
+        model: the model (or one `apply_zero` already returned); a meta-device model is materialised.
+        config: a preset name, a DeepSpeed config dict or the path to one, a `TrainingConfig`, or a `ZeroPlan`.
+            Its `fp8` block swaps in FP8 layers and its `comms_logger` block starts the comms logger
+            (`engine.comms_logger`).
+        optimizer: a factory `params -> optimizer` (called with the trainable master parameters), or an
+            optimizer built on `model.parameters()` that has not stepped (rebuilt with the same class and
+            param-group hyper-parameters; build LR schedulers on `engine.optimizer`).
+        mesh: the 1-D data-parallel mesh; default all ranks.
+        block_types: blocks to shard separately (see `apply_zero`).
+        sync_module_states: start every rank from the first rank's weights (see `apply_zero`).
+    """
+    mesh = data_parallel_mesh(mesh)
+    return setup_zero(
+        model,
+        plan_for(config, mesh),
+        optimizer,
+        mesh=mesh,
+        block_types=block_types,
+        sync_module_states=sync_module_states,
+    )
