@@ -30,7 +30,9 @@ from typing import Any, Literal
 from torch import Tensor
 
 from ds_plugin.quant import fused
-from ds_plugin.quant.fused import compile_report, use_compiled
+
+# qgZ's decode-and-sum has no Triton kernel: the torch form runs on every device (see the module docstring).
+from ds_plugin.quant.fused import compile_report, dequantize_sum_rows, use_compiled
 
 __all__ = [
     "Backend",
@@ -163,22 +165,3 @@ def dequantize_rows_into(
     if kernels is not None and _launch_rows(backend, kernels.dequantize_rows_into_triton, out, codes, scales, block)[0]:
         return
     fused.dequantize_rows_into(out, codes, scales, block, compiled=compiled)
-
-
-def dequantize_sum_rows(
-    packed: Tensor, scales: Tensor, own: Tensor, me: int, block: int, *, compiled: bool | None = None
-) -> Tensor:
-    """fp32 sum of the INT4 rows of every peer, with peer ``me``'s replaced by this rank's exact values (torch).
-
-    Args:
-        packed: uint8, ``(peers, ..., ceil(numel / 2))``, as :func:`quantize_rows` packs ``(..., numel)`` rows.
-        scales: their bf16 scales, as :func:`quantize_rows` returned them.
-        own: this rank's unquantized rows, ``(..., numel)``: they never crossed the wire, so they are summed exact.
-        me: this rank's index among the peers.
-        block: the block size used to quantize (even).
-        compiled: the compiled (True) or eager (False) torch form; None decides by size and environment.
-
-    Returns:
-        fp32, ``(..., numel)``.
-    """
-    return fused.dequantize_sum_rows(packed, scales, own, me, block, compiled=compiled)
