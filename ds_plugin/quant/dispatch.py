@@ -85,10 +85,10 @@ def triton_kernels(t: Tensor, backend: Backend = "auto") -> ModuleType | None:
     return kernels
 
 
-# The row kernels' first launch on a device is their first compile there. Should it fail (a Triton or driver
-# version these kernels were never run on), training goes on in torch with one warning instead of dying inside a
-# collective; once a launch has succeeded, errors propagate as usual.
-_triton_rows = {"verified": False, "failed": None}
+# A row kernel's first launch for a given specialisation (kernel, dtype, bits) is its first compile. Should one
+# fail (a Triton or driver version these kernels were never run on), training goes on in torch with one warning
+# instead of dying inside a collective; once a specialisation has run, its errors propagate as usual.
+_triton_rows: dict[str, Any] = {"verified": set(), "failed": None}
 
 
 def _row_kernels(t: Tensor, compiled: bool | None, backend: Backend) -> ModuleType | None:
@@ -101,17 +101,17 @@ def _row_kernels(t: Tensor, compiled: bool | None, backend: Backend) -> ModuleTy
     return triton_kernels(t, backend)
 
 
-def _launch_rows(backend: Backend, kernel: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
-    """Run a row kernel; (False, None) when its first launch failed and the caller should use torch."""
+def _launch_rows(backend: Backend, key: tuple, kernel: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """Run a row kernel; (False, None) when its first launch for `key` failed and the caller should use torch."""
     try:
         result = kernel(*args)
     except Exception as e:
-        if backend == "triton" or _triton_rows["verified"]:
+        if backend == "triton" or key in _triton_rows["verified"]:
             raise
         _triton_rows["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         logger.warning("Triton quantizer failed on first use (%s); using the torch form", _triton_rows["failed"])
         return False, None
-    _triton_rows["verified"] = True
+    _triton_rows["verified"].add(key)
     return True, result
 
 
@@ -135,7 +135,8 @@ def quantize_rows(
     """
     kernels = _row_kernels(rows, compiled, backend)
     if kernels is not None:
-        ran, result = _launch_rows(backend, kernels.quantize_rows_triton, rows, block, bits)
+        key = ("quantize", rows.dtype, bits)
+        ran, result = _launch_rows(backend, key, kernels.quantize_rows_triton, rows, block, bits)
         if ran:
             return result
     return fused.quantize_rows(rows, block, bits, compiled=compiled)
@@ -162,6 +163,8 @@ def dequantize_rows_into(
         backend: as for :func:`quantize_rows`.
     """
     kernels = _row_kernels(out, compiled, backend)
-    if kernels is not None and _launch_rows(backend, kernels.dequantize_rows_into_triton, out, codes, scales, block)[0]:
-        return
+    if kernels is not None:
+        key = ("dequantize", out.dtype, 8)
+        if _launch_rows(backend, key, kernels.dequantize_rows_into_triton, out, codes, scales, block)[0]:
+            return
     fused.dequantize_rows_into(out, codes, scales, block, compiled=compiled)

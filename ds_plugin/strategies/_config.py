@@ -7,6 +7,7 @@ Shared by the Lightning Trainer and Fabric adapters; a mapping, not an algorithm
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import os
 from collections.abc import Iterable, Mapping
@@ -65,10 +66,14 @@ def load_strategy_config(
         _check_option(owner, key, value, options)
     raw = _raw(config)
     if isinstance(raw, TrainingConfig):
-        default = TrainingConfig()
-        chosen = frozenset(k for k in raw.__dataclass_fields__ if getattr(raw, k) != getattr(default, k))
-        return (raw.replace(**overrides) if overrides else raw), chosen | frozenset(overrides)
-    if not isinstance(raw, Mapping):
+        if not overrides:
+            return raw, _chosen(raw)
+        # Overrides go through the parser like any other key: merge them into what the config says beyond DeepSpeed's
+        # defaults (a default written out would be reported as an ignored key the user never wrote).
+        chosen, raw = _chosen(raw), _non_default(raw.to_deepspeed(), TrainingConfig().to_deepspeed())
+    elif isinstance(raw, Mapping):
+        chosen = frozenset(raw)
+    else:
         raise ConfigError(f"{owner}: the config must be a JSON object (a dict), got {type(raw).__name__}")
     merged = dict(raw)
     for key, value in overrides.items():
@@ -76,7 +81,27 @@ def load_strategy_config(
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
-    return from_deepspeed(merged), frozenset(raw) | frozenset(overrides)
+    return from_deepspeed(merged), chosen | frozenset(overrides)
+
+
+def _non_default(data: Mapping[str, Any], default: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        base = default.get(key)
+        if isinstance(value, Mapping) and isinstance(base, Mapping):
+            value = _non_default(value, base)
+            if value:
+                out[key] = value
+        elif key not in default or value != base:
+            out[key] = value
+    return out
+
+
+def _chosen(config: TrainingConfig) -> frozenset[str]:
+    """The top-level keys a `TrainingConfig` sets away from DeepSpeed's defaults (what its author chose)."""
+    default = TrainingConfig()
+    fields = [f.name for f in dataclasses.fields(config) if not f.metadata.get("internal")]
+    return frozenset(k for k in fields if getattr(config, k) != getattr(default, k))
 
 
 def batch_size(loader: Any) -> int | None:

@@ -100,6 +100,8 @@ class ZeroStrategyState:
         Args:
             framework: `FrameworkSettings` fields the framework knows (micro_batch_size, accumulation, clip, ...).
         """
+        if self._mesh is None:
+            raise RuntimeError(f"{type(self).__name__}.resolve_plan: no processes yet; {self._not_set_up}")
         precision = self._zero_precision()
         settings = FrameworkSettings(
             owner=type(self).__name__,

@@ -102,8 +102,12 @@ class ZeroPrecision(Precision):
         # The engine steps the optimizer itself (unscale, overflow check, clip, step, zero_grad), so the closure
         # runs first here instead of inside `optimizer.step(closure)`.
         closure_result = closure()
+        engine = model.trainer.strategy.engine
+        # Lightning steps only at an accumulation boundary; say so even when training_step returned None and no
+        # backward told the engine, so clipping (inside _after_closure) sees the step's gradients as complete.
+        engine.set_gradient_accumulation_boundary(True)
         self._after_closure(model, optimizer)
-        model.trainer.strategy.engine.step()
+        engine.step()
         return closure_result
 
     @override
@@ -116,7 +120,8 @@ class ZeroPrecision(Precision):
         """Clip by value through the engine; by norm, nothing here: the engine clips by the global norm inside its
         step (`Trainer(gradient_clip_val)` with the "norm" algorithm sets the config's `gradient_clipping`)."""
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE and clip_val:
-            assert self.engine is not None, "ZeroPrecision.clip_gradients: the strategy has not set up its engine"
+            if self.engine is None:
+                raise RuntimeError("ZeroPrecision.clip_gradients: no engine yet; the strategy sets it up in fit()")
             self.engine.clip_grad_value_(float(clip_val))
 
 

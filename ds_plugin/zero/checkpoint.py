@@ -129,8 +129,23 @@ def _enum_member(cls: Any, name: Any) -> enum.Enum:
     return cls.__members__[name]
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what DCP's `.metadata` legitimately holds; anything else is refused before it is imported."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """Builds only what DCP's `.metadata` legitimately holds; anything else is refused before it is imported.
+
+    The pure-Python unpickler, so that BUILD can be checked too: BUILD sets attributes on the object below it, and
+    on an allowed class (an Enum, a DCP dataclass, `Path`) that would change the class for the whole process, e.g.
+    add a fake Enum "member". Metadata only ever BUILDs the instances it creates.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def _load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) > 1 else None
+        if isinstance(target, type):
+            raise pickle.UnpicklingError(f"setting attributes of {target.__name__} is not allowed in DCP metadata")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or (module in _PATH_MODULES and name in _PATH_NAMES):

@@ -220,6 +220,7 @@ class ZeroEngine:
             scale_wrt_gas: divide the loss by `gradient_accumulation_steps` (DeepSpeed's default); pass False
                 when the caller already normalised it (Lightning does).
         """
+        self._overflow = None  # new gradients: a verdict cached before them is stale
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:

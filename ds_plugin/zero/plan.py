@@ -1,6 +1,6 @@
 """`resolve_plan`: a DeepSpeed config plus the framework's own arguments, resolved once into a `ZeroPlan`.
 
-Every entry point (`initialize`, the Lightning Trainer and Fabric strategies, the Accelerate adapter) turns its
+Every entry point (`initialize`, the Lightning Trainer and Fabric strategies, any adapter to come) turns its
 inputs into one frozen plan of plain values here, and `setup_zero` (`setup.py`) applies it. Every consistency
 check runs in this one step, with the config's one-line errors: "auto" values filled from the framework (the
 way the transformers integration does), batch sizes against the world size, the hpZ group against the world
@@ -27,7 +27,7 @@ DType = Literal["fp32", "fp16", "bf16"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FrameworkSettings:
-    """What a framework (Lightning, Fabric, Accelerate) says about the run, beside the DeepSpeed config.
+    """What a framework (the Lightning Trainer, Fabric) says about the run, beside the DeepSpeed config.
 
     A value the config leaves at "auto" (or, for a DeepSpeed default the user did not write, leaves unset) is
     taken from here; an explicit config value that disagrees with the framework's is an error, not a silent pick.

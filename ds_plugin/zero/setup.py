@@ -1,16 +1,16 @@
 """`setup_zero`: apply a `ZeroPlan` to a model and an optimizer, in one fixed order, for every entry point.
 
-`initialize` (DeepSpeed's verb), the Lightning Trainer and Fabric strategies and the Accelerate adapter all end
-here; each resolves its inputs into a plan first (`plan.py`) and keeps only what is framework-specific. The order,
+`initialize` (DeepSpeed's verb) and the Lightning Trainer and Fabric strategies all end here (as any new adapter
+should); each resolves its inputs into a plan first (`plan.py`) and keeps only what is framework-specific. The order,
 and why:
 
 1. materialise a meta-device model at stages 0/1 (they keep whole weights on every rank anyway);
 2. `apply_zero`: rank 0's weights to every rank → FP8 layers → fp32 masters → shard or replicate → ZeRO++
    collectives (see `apply.py` for the reasons inside that step);
 3. materialise a meta-device model at stages 2/3, now that each rank allocates only its own shards;
-4. the optimizer, rebuilt on the fp32 master parameters (an optimizer built on the model's parameters before
-   setup is mapped across by parameter name);
-5. the engine, with the comms logger switched on when the config asks for it.
+4. the engine, with the comms logger switched on when the config asks for it;
+5. its optimizer, rebuilt on the fp32 master parameters the engine exposes (an optimizer built on the model's
+   parameters before setup is mapped across by parameter name).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The row dispatch's safety net: a Triton row kernel that fails on its first launch hands over to torch (one
-warning, same result); after one successful launch, kernel errors propagate."""
+"""The row dispatch's safety net: a Triton row kernel that fails on its first launch (for a kernel, dtype and bit
+width) hands over to torch (one warning, same result); after one successful launch, its errors propagate."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 
     module = types.SimpleNamespace(quantize_rows_triton=quantize_rows_triton)
     monkeypatch.setattr(dispatch, "triton_kernels", lambda t, backend="auto": module)
-    monkeypatch.setattr(dispatch, "_triton_rows", {"verified": False, "failed": None})
+    monkeypatch.setattr(dispatch, "_triton_rows", {"verified": set(), "failed": None})
     return calls
 
 
@@ -48,3 +48,6 @@ def test_errors_after_a_successful_launch_propagate(fake_kernels) -> None:
     fake_kernels.fail = True
     with pytest.raises(RuntimeError, match="PTX compile failed"):
         dispatch.quantize_rows(rows, 64, 8)
+    # Another specialisation's first launch is still covered.
+    codes, _ = dispatch.quantize_rows(rows, 64, 4)
+    assert torch.equal(codes, fused.quantize_rows(rows, 64, 4, compiled=False)[0])

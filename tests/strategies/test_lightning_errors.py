@@ -15,6 +15,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+import ds_plugin
 from ds_plugin.config import ConfigError
 from ds_plugin.strategies import (
     Fp8Precision,
@@ -81,6 +82,14 @@ def test_overrides_merge_over_the_config(tmp_path) -> None:
     path = tmp_path / "ds_config.json"
     path.write_text('{"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto"}')
     assert ZeroStrategy(str(path)).config.stage == 1
+    # A TrainingConfig with overrides: parsed like a dict, ignored keys reported, bad values one line.
+    base = ds_plugin.load_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}})
+    s = ZeroStrategy(base, steps_per_print=10, gradient_clipping=0.25)
+    assert (s.config.stage, s.config.gradient_clipping) == (3, 0.25)
+    assert sorted(s.config.ignored_keys()) == ["steps_per_print", "zero_optimization.reduce_bucket_size"]
+    with pytest.raises(ConfigError) as exc:
+        ZeroFabricStrategy(base, gradient_clipping="bad")
+    assert one_line(exc).startswith("gradient_clipping: expected a number")
 
 
 def test_engine_before_setup_is_an_error() -> None:

@@ -15,11 +15,13 @@ import json
 import os
 import pathlib
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata, TensorStorageMetadata
 
 from ds_plugin.zero.checkpoint import MARKER, CheckpointError, load_checkpoint, read_checkpoint_info, save_checkpoint
 
@@ -95,6 +97,10 @@ _PAYLOADS = {
     + b"(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nV__class__\ntR.",
     "getattr_function_globals": _GETATTR + b"(ctorch.serialization\n_get_layout\nV__globals__\ntR.",
     "getattr_non_string_name": _GETATTR + b"(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nI1\ntR.",
+    # BUILD with slot state on an allowed class: would give the Enum a fake member `EVIL` = `Path`, for the whole
+    # process, which the getattr stand-in would then hand out.
+    "build_on_allowed_class": b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+    b"(N}(V_member_map_\n}(VEVIL\ncpathlib\nPath\nuutb.",
 }
 
 
@@ -110,6 +116,7 @@ def test_getattr_reaching_anything_but_an_allowed_enum_member_is_refused(
     message = str(info.value)
     assert "\n" not in message and "refused" in message and "not allowed in DCP metadata" in message
     assert not (tmp_path / "pwned").exists()
+    assert "EVIL" not in _MEM_FORMAT_ENCODING.__members__
 
 
 def test_payloads_would_run_under_plain_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,3 +128,12 @@ def test_payloads_would_run_under_plain_pickle(tmp_path: Path, monkeypatch: pyte
         os.remove(tmp_path / "pwned")
     assert isinstance(pickle.loads(_PAYLOADS["getattr_function_globals"]), dict)
     assert pathlib.Path("pwned").exists() is False
+    # The class-altering one runs in a child, so this process's Enum stays intact.
+    code = (
+        "import pickle, sys; from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as E; "
+        "pickle.loads(sys.stdin.buffer.read()); print(E.__members__['EVIL'].__name__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=_PAYLOADS["build_on_allowed_class"], capture_output=True, check=True
+    )
+    assert done.stdout.decode().strip() == "Path"

@@ -64,6 +64,24 @@ def _worker(rank: int, world: int) -> dict:
         "labels": sorted({label for _, label in summary["total"]}),
     }
     out["no_logger"] = initialize(_mlp(), base).comms_logger is None
+
+    # Clip, then skip the step (the "norm not finite" pattern: the optimizer's own zero_grad, not the engine's):
+    # the next step must still reduce and unscale its new gradients, as a run that never skipped does.
+    fp16 = {"zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "loss_scale": 16}, "gradient_clipping": 0.0}
+    weights = []
+    for skip_first in (True, False):
+        engine = initialize(_mlp(), fp16, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+        if skip_first:
+            engine.backward(engine(x).float().square().mean())
+            engine.clip_grad_norm_(1e9)
+            engine.optimizer.zero_grad()
+        engine.backward(engine(x).float().mean())
+        engine.clip_grad_norm_(1e9)
+        engine.step()
+        weights.append(engine.model_state_dict()["0.weight"].full_tensor())
+    out["skip_then_step_diff"] = (weights[0] - weights[1]).abs().max().item()
+    out["step_size"] = (weights[1] - _mlp().state_dict()["0.weight"]).abs().max().item()
     return out
 
 
@@ -83,6 +101,12 @@ def test_initialize_converts_layers_from_the_fp8_block_and_trains(results: list[
         assert abs(fp8[-1] - plain[-1]) < 0.05 * plain[-1]  # and they train like the bf16/fp32 layers
     assert results[0]["fp8_error"].startswith("fp8: no nn.Linear in Sequential is eligible")
     assert "\n" not in results[0]["fp8_error"]
+
+
+def test_a_skipped_step_leaves_nothing_behind(results: list[dict]) -> None:
+    for r in results:
+        assert r["step_size"] > 1e-4  # the step moved the weights
+        assert r["skip_then_step_diff"] == 0.0
 
 
 def test_a_comms_logger_block_switches_the_logger_on(results: list[dict]) -> None:
