@@ -154,11 +154,7 @@ def dequantize_rows_into(
     """Write ``codes * scale`` (INT8 rows from :func:`quantize_rows`) into ``out``, in ``out``'s dtype.
 
     Args:
-        out: ``(..., numel)`` fp32, bf16 or fp16 destination; any strides along the leading dims (qwZ's
-            two-level gather writes through a transposed view of FSDP2's buffer).
-        codes: int8 codes of the rows in ``out``'s index order, contiguous, ``out.numel()`` of them.
-        scales: bf16 scales in the same order, ``ceil(numel / block)`` per row.
-        block: the block size used to quantize.
+        out, codes, scales, block: as for :func:`ds_plugin.quant.fused.dequantize_rows_into`.
         compiled: as for :func:`quantize_rows`.
         backend: as for :func:`quantize_rows`.
     """
