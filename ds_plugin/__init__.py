@@ -1,9 +1,10 @@
 """ds_plugin: DeepSpeed's ZeRO, ZeRO++ and mixed precision on torch.distributed's FSDP2.
 
 Public verbs: `load_config` (a preset name, a DeepSpeed JSON/YAML path, or a dict), `initialize` (model +
-config -> ZeRO engine), `apply_zero`, and the config types. Importing the package also makes the Lightning
-strategy names (zero0..zero3, zero3_offload, zeropp) available: at once when Lightning is already imported,
-else the moment it is.
+config -> ZeRO engine), `apply_zero`, `quantize_frozen_` (frozen Linear weights stored as INT8 / INT4 / NF4),
+`save_adapter` (a peft adapter trained at any ZeRO stage, saved whole), and the config types. Importing the
+package also makes the Lightning strategy names (zero0..zero3, zero3_offload, zeropp) available: at once when
+Lightning is already imported, else the moment it is.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ def __getattr__(name: str):
         from ds_plugin.zero.apply import apply_zero
 
         return apply_zero
+    if name == "save_adapter":
+        from ds_plugin.adapters import save_adapter
+
+        return save_adapter
+    if name == "quantize_frozen_":
+        from ds_plugin.quant.frozen import quantize_frozen_
+
+        return quantize_frozen_
     if name == "strategies":  # `ds_plugin.strategies.ZeroStrategy(...)` after a bare `import ds_plugin`
         return importlib.import_module("ds_plugin.strategies")
     raise AttributeError(f"module 'ds_plugin' has no attribute {name!r}")

@@ -189,11 +189,13 @@ class ZeroConfig:
     )
     zero_quantized_weights: bool = option(False, doc="qwZ: INT8 blockwise weight all-gather")
     zero_quantized_nontrainable_weights: bool = option(
-        False,
-        doc="store frozen weights quantized (not built yet)",
-        # false is what happens anyway; only asking for it is worth a report.
-        ignored="not built yet: frozen weights are stored like trainable ones, unquantized",
-        ignored_values=(True,),
+        False, doc="store frozen (requires_grad=False) Linear weights as INT8 (DeepSpeed's MixZ++; see frozen_format)"
+    )
+    frozen_format: Literal["none", "int8", "int4", "nf4", "fp6"] = option(
+        "none", doc="ds_plugin: storage of frozen Linear weights (LoRA's base): int8, int4 or nf4; none keeps them"
+    )
+    frozen_group_size: int | None = option(
+        None, doc="ds_plugin: elements per scale of frozen_format (null: 256 int8, 128 int4, 64 nf4)", ge=2
     )
     zero_quantized_gradients: bool = option(False, doc="qgZ: INT4 all-to-all gradient reduction")
     zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=2)
@@ -248,9 +250,25 @@ class ZeroConfig:
                 f"zero_quantized_gradients_block_size: {self.zero_quantized_gradients_block_size} is odd; INT4 packs "
                 "two values per byte, use an even block size such as 64"
             )
+        if self.frozen_format == "fp6":
+            raise ConfigError(
+                "frozen_format: fp6 needs the FP6 kernels, which are not built yet; use int8, int4 or nf4"
+            )
+        if self.zero_quantized_nontrainable_weights and self.frozen_format not in ("none", "int8"):
+            raise ConfigError(
+                f"zero_quantized_nontrainable_weights: asks for INT8 but frozen_format is {self.frozen_format!r}; "
+                "keep only frozen_format"
+            )
         for key, on in needs_stage3.items():
             if on and self.stage != 3:
                 raise ConfigError(f"{key}: needs stage 3 (it acts on sharded weights); set stage to 3 or turn it off")
+
+    @property
+    def frozen_storage(self) -> str | None:
+        """The storage format of frozen Linear weights ("int8", "int4", "nf4"), or None to keep them as they are."""
+        if self.frozen_format != "none":
+            return self.frozen_format
+        return "int8" if self.zero_quantized_nontrainable_weights else None
 
     @property
     def hpz_partition_size(self) -> int:

@@ -135,7 +135,7 @@ def test_ignored_keys_are_reported_with_reasons():
         "sparse_attention",
     ):
         assert docs.get(key), key
-    # Off is what happens anyway: only turning it on would be reported.
+    # It acts now (INT8 frozen-weight storage): nothing to report as ignored.
     assert "zero_optimization.zero_quantized_nontrainable_weights" not in docs
 
 

@@ -55,6 +55,9 @@ ACTS: dict[str, str] = {
     "zero_optimization.zero_quantized_gradients": "zero/zeropp.py: qgZ",
     "zero_optimization.zero_quantized_weights_block_size": "zero/zeropp.py: qwZ scale blocks",
     "zero_optimization.zero_quantized_gradients_block_size": "zero/zeropp.py: qgZ scale blocks",
+    "zero_optimization.zero_quantized_nontrainable_weights": "zero/apply.py: quantize_frozen_(model, 'int8')",
+    "zero_optimization.frozen_format": "zero/apply.py: quantize_frozen_(model, fmt)",
+    "zero_optimization.frozen_group_size": "zero/apply.py: quantize_frozen_(group_size=)",
     "communication_data_type": "TrainingConfig.reduce_dtype",
     "data_types.grad_accum_dtype": "TrainingConfig.grad_accum_dtype",
     "comms_logger.enabled": "zero/comms_logger.py",
@@ -182,7 +185,7 @@ def test_acts_table_has_no_stale_entry():
     assert set(ACTS) <= canonical, sorted(set(ACTS) - canonical)
 
 
-def test_the_three_silent_keys_now_say_what_happens():
+def test_the_once_silent_keys_now_say_what_happens():
     cfg = from_deepspeed(
         {
             "fp16": {"enabled": True, "auto_cast": False},
@@ -192,10 +195,12 @@ def test_the_three_silent_keys_now_say_what_happens():
     ignored = cfg.ignored_keys()
     assert "compute dtype" in ignored["fp16.auto_cast"]
     assert "overlap" in ignored["zero_optimization.overlap_comm"]
-    assert "not built yet" in ignored["zero_optimization.zero_quantized_nontrainable_weights"]
-    # Turned off, the quantized frozen weights are exactly what happens: nothing to report.
+    # DeepSpeed's MixZ++ switch acts now: INT8 storage of the frozen weights, not an ignored key.
+    assert "zero_optimization.zero_quantized_nontrainable_weights" not in ignored
+    assert cfg.zero_optimization.frozen_storage == "int8"
     off = from_deepspeed({"zero_optimization": {"zero_quantized_nontrainable_weights": False}})
     assert off.ignored_keys() == {}
+    assert off.zero_optimization.frozen_storage is None
     assert off.to_deepspeed()["zero_optimization"]["zero_quantized_nontrainable_weights"] is False
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+# The unsharded gather lives in the core, beside `save_adapter`; the strategies' `full_state_dict` calls it here.
+from ds_plugin.adapters import full_state_dict
 from ds_plugin.strategies._model import hf_models
 from ds_plugin.zero.checkpoint import CheckpointError, load_checkpoint, model_metadata, read_checkpoint_info
 from ds_plugin.zero.checkpoint import save_checkpoint as save_dcp
@@ -138,30 +139,3 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
         path.unlink()
     elif path.is_dir():
         shutil.rmtree(path)
-
-
-def full_state_dict(engine: ZeroEngine, module: nn.Module | None = None, *, trainable_only: bool = False) -> dict:
-    """Full (unsharded) CPU tensors on rank 0, an empty dict elsewhere; a collective: every rank calls it.
-
-    Args:
-        engine: the engine holding the model.
-        module: a submodule of the engine's model; keys are then relative to it (e.g. for `save_pretrained`).
-        trainable_only: only parameters that require grad (a LoRA adapter's weights).
-    """
-    root = engine.module
-    prefix = ""
-    if module is not None and module is not root:
-        names = [name for name, m in root.named_modules() if m is module]
-        if not names:
-            raise ValueError(f"full_state_dict: the {type(module).__name__} is not part of the trained model")
-        prefix = f"{names[0]}."
-    trainable = {name for name, p in root.named_parameters() if p.requires_grad}
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    out: dict[str, torch.Tensor] = {}
-    for key, value in engine.model_state_dict().items():
-        if not key.startswith(prefix) or (trainable_only and key not in trainable):
-            continue
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value
-        if rank0:
-            out[key[len(prefix) :]] = full.detach().cpu()
-    return out

@@ -1,10 +1,11 @@
 """`apply_zero(model, config)`: turn a model into a ZeRO model for stages 0, 1, 2 or 3.
 
 The model half of setup (`setup.py` runs the whole of it), in one fixed order, each step for a reason:
-check the model → host memory reuse (CPU) → rank 0's weights to every rank → FP8 layers (before sharding:
-FSDP2 shards the parameters it finds, and the FP8 weight subclass must be in place for its all-gather hooks) →
-fp32 masters → shard (stages 2/3) or replicate (0/1) → ZeRO++ collectives (they replace the collectives of the
-sharded modules, so they come last).
+check the model → host memory reuse (CPU) → rank 0's weights to every rank → FP8 layers and frozen-weight storage
+(before sharding: FSDP2 shards the parameters it finds, and the FP8 / quantized weight subclasses must be in place
+for their all-gather hooks) → fp32 masters for trainable parameters only, frozen ones stored in the compute dtype →
+shard (stages 2/3) or replicate (0/1) → ZeRO++ collectives (they replace the collectives of the sharded modules,
+so they come last).
 
 Stages 2 and 3 are FSDP2: every repeated block, then the root, goes through `fully_shard`, so the fp32 master
 weights are the sharded parameters and the gradients are reduce-scattered into them. Stage 3 frees the gathered
@@ -25,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ds_plugin.config import TrainingConfig
+from ds_plugin.quant.frozen import check_shardable, quantize_frozen_, quantized_weights
+from ds_plugin.quant.frozen_weight import QuantizedWeight
 from ds_plugin.zero.host_memory import reuse_freed_host_memory
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, resolve_plan
@@ -114,25 +117,65 @@ def has_fp8_layers(model: nn.Module) -> bool:
 
 
 def _convert_layers(model: nn.Module, plan: ZeroPlan) -> None:
-    # FP8 now; the frozen-weight storage formats plug in here too. Conversion keeps the parameter objects, so an
-    # optimizer built on the model before setup still maps onto them.
-    if plan.fp8 is None or has_fp8_layers(model):
-        return
-    from ds_plugin.precision.fp8_linear import convert_to_fp8_training
+    # FP8 layers and frozen-weight storage. FP8 conversion keeps the trainable parameter objects, so an optimizer
+    # built on the model before setup still maps onto them; frozen weights have no optimizer state to keep.
+    if plan.fp8 is not None and not has_fp8_layers(model):
+        from ds_plugin.precision.fp8_linear import convert_to_fp8_training
 
-    try:
-        convert_to_fp8_training(model, plan.fp8)
-    except ValueError as e:
-        raise ZeroSetupError(f"fp8: {e}") from None
+        try:
+            convert_to_fp8_training(model, plan.fp8)
+        except ValueError as e:
+            raise ZeroSetupError(f"fp8: {e}") from None
+    if plan.frozen_format is not None:
+        if quantized_weights(model):
+            logger.info("frozen weights already quantized by the caller; frozen_format is not applied again")
+            return
+        try:
+            quantize_frozen_(model, plan.frozen_format, group_size=plan.frozen_group_size)
+        except ValueError as e:
+            raise ZeroSetupError(f"zero_optimization.frozen_format: {e}") from None
 
 
-def _upcast_masters(model: nn.Module) -> None:
-    # Mixed precision keeps fp32 masters whatever dtype the weights were loaded in (as DeepSpeed does).
-    low = [p for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32]
+@torch.no_grad()
+def _store_parameters(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    # Trainable weights get fp32 masters whatever dtype they were loaded in (as DeepSpeed does). Frozen ones are
+    # stored in the compute dtype and never get a master: no optimizer updates them, so fp32 would only cost memory
+    # (4 bytes per frozen weight in a LoRA run). A quantized weight keeps its codes; only its compute dtype is set.
+    trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    low = [p for p in trainable if p.dtype != torch.float32] if compute_dtype != torch.float32 else []
     if low:
         logger.info("upcasting %d %s parameters to fp32 master weights", len(low), low[0].dtype)
         for p in low:
             p.data = p.data.float()
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or id(p) not in frozen or p.dtype == compute_dtype:
+                continue
+            if isinstance(p, QuantizedWeight):
+                # A wrapper subclass cannot swap its dtype through `.data`; a new parameter (shared ones stay shared).
+                if id(p) not in replaced:
+                    replaced[id(p)] = nn.Parameter(p.to(compute_dtype), requires_grad=False)
+                module._parameters[name] = replaced[id(p)]
+            else:
+                p.data = p.data.to(compute_dtype)
+
+
+def _check_quantized_shards(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh) -> None:
+    # FSDP2 gathers a quantized weight through its all-gather extension, which has no path for uneven rows (the
+    # padded shard would have to be the codes' shape) nor for hpZ's secondary shard.
+    if not quantized_weights(model):
+        return
+    if isinstance(plan.reshard_after_forward, int) and not isinstance(plan.reshard_after_forward, bool):
+        raise ZeroSetupError(
+            "quantized frozen weights cannot combine with hpZ (FSDP2 re-gathers the secondary shard without the "
+            "codes' all-gather hooks); set zero_hpz_partition_size to 1"
+        )
+    try:
+        check_shardable(model, mesh.size())
+    except ValueError as e:
+        raise ZeroSetupError(str(e)) from None
 
 
 def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.Module]) -> None:
@@ -241,9 +284,9 @@ def apply_zero(
     if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):
         broadcast_module_states(model, mesh)
     _convert_layers(model, plan)
-    if plan.compute_dtype != "fp32":
-        _upcast_masters(model)
+    _store_parameters(model, torch_dtype(plan.compute_dtype))
     if plan.stage >= 2:
+        _check_quantized_shards(model, plan, mesh)
         _shard(model, plan, mesh, blocks)
         # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
         install_zeropp(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ds_plugin.config import FP16Config, TrainingConfig
 from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
+from ds_plugin.quant.frozen import load_quantized_parts, quantized_parts_state, quantized_weights
 from ds_plugin.zero.apply import is_zero_applied, plan_for
 from ds_plugin.zero.comms_logger import CommsLogger
 from ds_plugin.zero.mesh import ZeroSetupError, torch_dtype
@@ -349,10 +351,14 @@ class ZeroEngine:
         )
 
     def model_state_dict(self) -> dict[str, Any]:
-        """The model's weights keyed by its own parameter names: fp32 `Shard(0)` DTensors, buffers as tensors."""
+        """The model's weights keyed by its own parameter names: `Shard(0)` DTensors, buffers as tensors.
+
+        Trainable weights are the fp32 masters, frozen ones are in their stored dtype, and a frozen weight stored
+        quantized appears as its components (`<name>.codes`, `<name>.scales`, ...), sharded by rows.
+        """
         if self._replicated is not None:
-            return self._replicated.model_state_dict()
-        return get_model_state_dict(self.module)
+            return quantized_parts_state(self._replicated.model_state_dict())
+        return quantized_parts_state(get_model_state_dict(self.module))
 
     def load_model_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load weights saved by `model_state_dict` at any stage or world size.
@@ -360,10 +366,14 @@ class ZeroEngine:
         Args:
             state_dict: name -> DTensor (any placement) or full tensor.
         """
+        quantized = frozenset(quantized_weights(self.module))
+        if quantized:
+            state_dict = load_quantized_parts(self.module, state_dict)
         if self._replicated is not None:
-            self._replicated.load_model_state_dict(state_dict)
+            self._replicated.load_model_state_dict(state_dict, loaded=quantized)
         else:
-            set_model_state_dict(self.module, state_dict)
+            # The quantized weights are loaded already; DCP's strict check would miss them.
+            set_model_state_dict(self.module, state_dict, options=StateDictOptions(strict=not quantized))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer state keyed by parameter names, `Shard(0)` DTensors (creates the state if needed)."""

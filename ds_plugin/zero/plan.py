@@ -78,6 +78,10 @@ class ZeroPlan:
     """qwZ: elements per INT8 scale; None = off."""
     quantized_gradients_block: int | None
     """qgZ: elements per INT4 scale; None = off."""
+    frozen_format: str | None
+    """Storage of frozen Linear weights: "int8", "int4" or "nf4" (see `quantize_frozen_`); None = as loaded."""
+    frozen_group_size: int | None
+    """Elements per scale of `frozen_format`; None = the format's default."""
     fp8: FP8Config | None
     """FP8 layers to swap in (recipe, skipped modules); None = off."""
     fp8_all_gather: bool
@@ -212,6 +216,8 @@ def resolve_plan(
         pin_memory=pin,
         quantized_weights_block=zero.zero_quantized_weights_block_size if zero.zero_quantized_weights else None,
         quantized_gradients_block=zero.zero_quantized_gradients_block_size if zero.zero_quantized_gradients else None,
+        frozen_format=zero.frozen_storage,
+        frozen_group_size=zero.frozen_group_size,
         fp8=config.fp8 if config.fp8.enabled else None,
         fp8_all_gather=config.fp8.enabled and config.fp8.all_gather,
         gradient_accumulation_steps=int(config.gradient_accumulation_steps or 1),

@@ -153,7 +153,8 @@ class ReplicatedState:
         self.params = [p for _, p in named]
         self.masters = [self._make_master(p, master_device) for p in self.params]
         for p in self.params:
-            if p.is_floating_point() and (p.dtype != compute_dtype or not p.is_contiguous()):
+            # Frozen parameters were stored in their final dtype by `apply_zero` and have no master to refresh them.
+            if p.requires_grad and p.is_floating_point() and (p.dtype != compute_dtype or not p.is_contiguous()):
                 p.data = p.data.to(compute_dtype).contiguous()
         self._buckets = self._plan()
         self._accum: dict[int, torch.Tensor] = {}
@@ -175,6 +176,18 @@ class ReplicatedState:
         return (Shard(0),) if sharded else (Replicate(),)
 
     def _make_master(self, p: nn.Parameter, device: torch.device) -> nn.Parameter:
+        if not p.requires_grad:
+            # Frozen: no fp32 master, no shard, no optimizer state; the "master" is the parameter itself (a
+            # Replicate DTensor over it), which state dicts read and checkpoints load into.
+            dt = DTensor.from_local(
+                p.detach(),
+                self.mesh,
+                (Replicate(),),
+                run_check=False,
+                shape=p.shape,
+                stride=_contiguous_stride(p.shape),
+            )
+            return nn.Parameter(dt, requires_grad=False)
         placements = self._placements(p)
         local = p.detach()
         if isinstance(placements[0], Shard):
@@ -192,8 +205,8 @@ class ReplicatedState:
         buckets: dict[tuple[bool, bool], _Bucket] = {}
         done: list[_Bucket] = []
         for i, p in enumerate(self.params):
-            if not p.is_floating_point():
-                continue
+            if not (p.is_floating_point() and p.requires_grad):
+                continue  # frozen parameters are never reduced nor synced: they alias their "masters"
             sharded = isinstance(self.masters[i].placements[0], Shard)
             key = (sharded, p.requires_grad)
             bucket = buckets.setdefault(key, _Bucket(sharded=sharded, trainable=p.requires_grad))
@@ -363,13 +376,14 @@ class ReplicatedState:
         return out
 
     @torch.no_grad()
-    def load_model_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_model_state_dict(self, state_dict: dict[str, Any], *, loaded: frozenset[str] = frozenset()) -> None:
         """Load a state dict written by any stage or world size (see `model_state_dict`).
 
         Args:
             state_dict: key -> DTensor or full tensor; every key of the model must be present.
+            loaded: keys already loaded another way (quantized frozen weights), absent from `state_dict`.
         """
-        expected = self.module.state_dict(keep_vars=True)
+        expected = {k: v for k, v in self.module.state_dict(keep_vars=True).items() if k not in loaded}
         missing = sorted(set(expected) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(expected))
         if missing or unexpected:

@@ -1,0 +1,102 @@
+"""`save_adapter(engine, path)`: write a peft adapter trained under any ZeRO stage, whole, on the first rank.
+
+peft's own ``save_pretrained`` reads ``model.state_dict()``. Under ZeRO-3 that holds each rank's *shard* of every
+parameter, and at stages 0-1 it holds the compute copies (bf16 in a bf16 run) rather than the fp32 masters the
+optimizer steps — which is how adapters saved under ZeRO-3 come out empty or truncated (trl 4416, peft 2450 and
+2892, ``modules_to_save`` written as size-0 tensors). Here the engine's state dict (the fp32 masters, any stage)
+is gathered into full tensors for the trainable parameters only, and handed to peft's ``save_pretrained`` as its
+``state_dict``, so the files are exactly what peft writes for an unsharded model and ``PeftModel.from_pretrained``
+reads them back onto a fresh base (quantized with ``quantize_frozen_`` or not).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = ["full_state_dict", "save_adapter"]
+
+logger = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@torch.no_grad()
+def full_state_dict(engine: Any, module: nn.Module | None = None, *, trainable_only: bool = False) -> dict:
+    """Full (unsharded) CPU tensors on rank 0, an empty dict elsewhere; a collective: every rank calls it.
+
+    Trainable weights are the fp32 masters at every stage; a quantized frozen weight appears as its components
+    (``<name>.codes``, ...), as in ``engine.model_state_dict()``.
+
+    Args:
+        engine: the ``ZeroEngine`` holding the model (``trainer.strategy.engine`` in Lightning).
+        module: a submodule of the engine's model; keys are then relative to it (e.g. for ``save_pretrained``).
+        trainable_only: only parameters that require grad (an adapter's weights).
+    """
+    root = engine.module
+    prefix = ""
+    if module is not None and module is not root:
+        names = [name for name, m in root.named_modules() if m is module]
+        if not names:
+            raise ValueError(f"full_state_dict: the {type(module).__name__} is not part of the trained model")
+        prefix = f"{names[0]}."
+    trainable = {name for name, p in root.named_parameters() if p.requires_grad}
+    rank0 = _rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for key, value in engine.model_state_dict().items():
+        if not key.startswith(prefix) or (trainable_only and key not in trainable):
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if rank0:
+            out[key[len(prefix) :]] = full.detach().to("cpu", copy=True)
+    return out
+
+
+def save_adapter(engine: Any, path: str | os.PathLike, **save_kwargs: Any) -> Path:
+    """Save the peft adapter of ``engine.module`` to ``path``, whole; every rank must call it.
+
+    Args:
+        engine: the ``ZeroEngine`` running a peft model (``peft.get_peft_model``).
+        path: the adapter directory (``PeftModel.from_pretrained(base, path)`` reads it).
+        save_kwargs: passed to peft's ``save_pretrained`` (``selected_adapters``, ``safe_serialization`` ...).
+
+    Raises:
+        TypeError: the engine's model is not a peft model.
+        ValueError: the model has no trainable parameter to save.
+    """
+    model = engine.module
+    if not callable(getattr(model, "save_pretrained", None)) or not hasattr(model, "peft_config"):
+        raise TypeError(
+            f"save_adapter: {type(model).__name__} is not a peft model; wrap it with peft.get_peft_model before "
+            "initialize, or save the whole model with save_checkpoint"
+        )
+    state = full_state_dict(engine, trainable_only=True)
+    if not state and _rank() == 0:
+        raise ValueError("save_adapter: the model has no trainable parameter; nothing would be saved")
+    path = Path(path)
+    # Prompt learning (P-Tuning, prefix tuning) saves what its prompt encoder computes, not a state dict: under
+    # ZeRO-2/3 the encoder's weights are shards until gathered, and the encoder lives in the root's unit.
+    prompt_learning = any(getattr(c, "is_prompt_learning", False) for c in model.peft_config.values())
+    gather = prompt_learning and isinstance(model, FSDPModule)
+    if gather:
+        model.unshard()
+    try:
+        if _rank() == 0:
+            model.save_pretrained(str(path), state_dict=state, **save_kwargs)
+            logger.info("saved adapter (%d tensors) to %s", len(state), path)
+    finally:
+        if gather:
+            model.reshard()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return path

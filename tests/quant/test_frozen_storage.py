@@ -1,0 +1,226 @@
+"""Frozen Linear weights stored as INT8 / INT4 / NF4 (`quantize_frozen_`, `QuantizedWeight`), in one process."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ds_plugin import quantize_frozen_
+from ds_plugin.quant.frozen import quantized_weights
+from ds_plugin.quant.frozen_weight import QuantizedWeight
+from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 160  # no logit or activation shape equals a weight shape (see the saved-tensor test)
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _llama(hidden: int = 64, seed: int = 0) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _glm(hidden: int = 64, seed: int = 0) -> nn.Module:
+    cfg = transformers.GlmConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return transformers.GlmForCausalLM(cfg)
+
+
+def _lora(model: nn.Module, targets: list[str] = QKVO, **kw) -> nn.Module:
+    warnings.simplefilter("ignore")
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, **kw)
+    return peft.get_peft_model(model, cfg)
+
+
+def _tokens(seed: int = 1, batch: int = 2, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _fake_quantized(model: nn.Module, fmt: str) -> nn.Module:
+    """The reference: a copy whose chosen weights are plain tensors holding the dequantized values."""
+    ref = copy.deepcopy(model)
+    for name, q in quantized_weights(model).items():
+        module_name, _, attr = name.rpartition(".")
+        module = ref.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(q.dequantize(), requires_grad=False))
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_lora_base_is_quantized_adapters_and_head_are_not(fmt):
+    model = _lora(_llama())
+    quantize_frozen_(model, fmt)
+    names = set(quantized_weights(model))
+    # Every frozen Linear of the decoder: q/k/v/o base layers and the MLP, 2 layers x 7; never the head.
+    assert len(names) == 14, sorted(names)
+    assert all("lora_" not in n and "lm_head" not in n for n in names)
+    assert any(n.endswith("q_proj.base_layer.weight") for n in names)
+    assert not isinstance(model.get_output_embeddings().weight, QuantizedWeight)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert "lora_" in n and not isinstance(p, QuantizedWeight)
+        if isinstance(p, QuantizedWeight):
+            assert all(t.dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.float16) for t in p.parts.values())
+            assert any(t.dtype == torch.uint8 for t in p.parts.values())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_forward_and_input_gradient_equal_the_dequantized_reference(fmt):
+    torch.manual_seed(0)
+    model = _lora(_llama())
+    for n, p in model.named_parameters():  # non-zero LoRA B so the adapters take part in the output
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.02)
+    quantize_frozen_(model, fmt)
+    ref = _fake_quantized(model, fmt)
+    x = _tokens()
+    out = model(input_ids=x, labels=x)
+    ref_out = ref(input_ids=x, labels=x)
+    assert torch.equal(out.logits, ref_out.logits)
+    out.loss.backward()
+    ref_out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(grads) == set(ref_grads) and grads
+    assert all("lora_" in n for n in grads)  # gradients reach only the adapters
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-5, atol=1e-7)
+
+
+def test_no_full_precision_copy_of_a_quantized_weight_is_saved_for_backward():
+    model = _lora(_llama())
+    quantize_frozen_(model, "int4")
+    shapes = {tuple(q.shape) for q in quantized_weights(model).values()}
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    x = _tokens(batch=3, seq=7)  # 21 tokens: no activation shares a weight's shape
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    # Control: the same model run on plain weights saves each weight (or its transpose) for backward.
+    assert saved
+    weights_saved = [s for s, dt in saved if dt.is_floating_point and (s in shapes or s[::-1] in shapes)]
+    assert not weights_saved, weights_saved
+    plain = _fake_quantized(model, "int4")
+    plain_saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: plain_saved.append(tuple(t.shape)) or t, lambda t: t):
+        plain(input_ids=x, labels=x).loss.backward()
+    assert any(s in shapes or s[::-1] in shapes for s in plain_saved)
+
+
+def test_default_keeps_a_head_tied_to_the_embedding():
+    model = _llama()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False)
+    quantize_frozen_(model, "int8")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not isinstance(model.lm_head.weight, QuantizedWeight)
+    # filter_fn overrides the default: the head too when asked.
+    other = _llama()
+    other.requires_grad_(False)
+    quantize_frozen_(other, "int8", filter_fn=lambda m, name: True)
+    assert isinstance(other.lm_head.weight, QuantizedWeight)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kwargs", "match"),
+    [
+        ("fp6", {}, "FP6 kernels"),
+        ("int3", {}, "not one of"),
+        ("int8", {"filter_fn": lambda m, name: True}, "trainable"),
+        ("int4", {"group_size": 48}, "group"),
+    ],
+)
+def test_bad_requests_fail_in_one_line_and_convert_nothing(fmt, kwargs, match):
+    model = _lora(_llama())
+    before = _state(model)
+    with pytest.raises(ValueError, match=match) as info:
+        quantize_frozen_(model, fmt, **kwargs)
+    assert "\n" not in str(info.value)
+    assert not quantized_weights(model)
+    after = _state(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_peft_merge_requantizes_and_reports_its_error():
+    torch.manual_seed(0)
+    model = _lora(_llama())
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.05)
+    quantize_frozen_(model, "int8")
+    x = _tokens()
+    with torch.no_grad():
+        unmerged = model(input_ids=x).logits
+    merged = model.merge_and_unload()
+    q = merged.model.layers[0].self_attn.q_proj.weight
+    assert isinstance(q, QuantizedWeight)
+    assert q.last_requantization_error is not None and 0 < q.last_requantization_error < 0.02
+    with torch.no_grad():
+        out = merged(input_ids=x).logits
+    rel = (out - unmerged).norm() / unmerged.norm()
+    assert 0 < rel < 0.02  # one more INT8 rounding of W + BA, nothing lost
+
+
+def test_load_state_dict_of_a_full_precision_model_requantizes():
+    base = _llama()
+    base.requires_grad_(False)
+    quantized = copy.deepcopy(base)
+    quantize_frozen_(quantized, "int8")
+    trained = _llama(seed=5)  # different weights, same shapes
+    quantized.load_state_dict(trained.state_dict())
+    w = quantized.model.layers[1].mlp.up_proj.weight
+    assert isinstance(w, QuantizedWeight)
+    ref = trained.model.layers[1].mlp.up_proj.weight
+    expected = dequantize_weight(quantize_weight(ref.detach(), "int8", w.group_size), "int8", w.group_size, ref.dtype)
+    assert torch.equal(w.dequantize(), expected)
+
+
+@pytest.mark.parametrize(("build", "name"), [(_llama, "llama"), (_glm, "glm")])
+@pytest.mark.parametrize(("fmt", "limit"), [("int8", 0.025), ("int4", 0.28), ("nf4", 0.28)])
+def test_logit_error_against_the_bf16_model(build, name, fmt, limit):
+    model = _lora(build(hidden=128)).to(torch.bfloat16)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.02)
+    x = _tokens(batch=4, seq=32)
+    with torch.no_grad():
+        ref = model(input_ids=x).logits.float()
+        quantize_frozen_(model, fmt)
+        got = model(input_ids=x).logits.float()
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0 < rel <= limit, (name, fmt, rel)

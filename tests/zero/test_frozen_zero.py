@@ -1,0 +1,239 @@
+"""Frozen weights under the engine: no fp32 masters, quantized storage sharded and gathered as codes (gloo ranks)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ds_plugin.launch import run_ranks
+from tests.zero._tiny import quiet
+
+pytestmark = pytest.mark.slow
+
+VOCAB, SEQ, PER_RANK = 128, 16, 2
+STEPS = 4
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _lora_llama(hidden: int = 64) -> nn.Module:
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    warnings.simplefilter("ignore")
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=QKVO))
+
+
+def _global_batch(step: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+
+
+def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None) -> dict:
+    torch.set_num_threads(1)
+    quiet()
+    from ds_plugin import initialize
+    from ds_plugin.quant.frozen import quantized_weights
+
+    model = _lora_llama()
+    cfg = {"zero_optimization": {"stage": stage, "frozen_format": fmt}, "gradient_clipping": 0.0}
+    engine = initialize(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    quantized = quantized_weights(engine.module)
+    codes_before = {n: {k: t.clone() for k, t in q.parts.items()} for n, q in quantized.items()}
+    losses = []
+    for step in range(STEPS):
+        x = _global_batch(step, world)[rank * PER_RANK : (rank + 1) * PER_RANK]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {
+        "losses": losses,
+        "quantized": sorted(quantized),
+        "codes_unchanged": all(
+            torch.equal(t, quantized[n].parts[k]) for n, parts in codes_before.items() for k, t in parts.items()
+        ),
+        "trainable": sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),
+        "params": {n: _full(p) for n, p in engine.module.named_parameters() if p.requires_grad},
+    }
+    if ckpt:
+        from ds_plugin.zero.checkpoint import load_checkpoint, save_checkpoint
+
+        save_checkpoint(ckpt, model_state=engine.model_state_dict(), overwrite=True)
+        with torch.no_grad():  # scramble the live state, then load it back
+            for q in quantized.values():
+                for t in q.parts.values():
+                    t.zero_()
+            for p in engine.trainable_parameters():
+                p.zero_()
+        state = engine.model_state_dict()
+        load_checkpoint(ckpt, model_state=state)
+        engine.load_model_state_dict(state)
+        out["reloaded_codes_equal"] = all(
+            torch.equal(t, quantized[n].parts[k]) for n, parts in codes_before.items() for k, t in parts.items()
+        )
+        out["reloaded_params_equal"] = all(
+            torch.equal(_full(p), out["params"][n]) for n, p in engine.module.named_parameters() if p.requires_grad
+        )
+    return out
+
+
+def _single_process(fmt: str, world: int) -> dict:
+    """The reference: the same quantized base and adapters, one process, the whole global batch per step."""
+    from ds_plugin import quantize_frozen_
+
+    quiet()
+    model = _lora_llama()
+    quantize_frozen_(model, fmt)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    losses = []
+    for step in range(STEPS):
+        x = _global_batch(step, world)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "before": before, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_path):
+    results = run_ranks(_train_worker, world, timeout=300, fmt=fmt, stage=3, ckpt=str(tmp_path / "ckpt"))
+    ref = _single_process(fmt, world)
+    mean = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
+    for got, want in zip(mean, ref["losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (mean, ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0]  # it learns
+    r0 = results[0]
+    assert len(r0["quantized"]) == 14 and all(r["codes_unchanged"] for r in results)
+    assert all("lora_" in n for n in r0["trainable"])
+    for n, p in r0["params"].items():
+        assert not torch.equal(p, ref["before"][n].float()), n  # every adapter moved
+        # Adam divides by sqrt(v): where a gradient is ~0, reduction-order noise moves a step by a fraction of lr.
+        torch.testing.assert_close(p, ref["params"][n].float(), rtol=1e-3, atol=1e-3)
+    assert all(r["reloaded_codes_equal"] and r["reloaded_params_equal"] for r in results)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lower_stages_store_the_quantized_base_replicated(stage):
+    results = run_ranks(_train_worker, 2, timeout=300, fmt="int8", stage=stage, ckpt=None)
+    ref = _single_process("int8", 2)
+    mean = [sum(r["losses"][i] for r in results) / 2 for i in range(STEPS)]
+    for got, want in zip(mean, ref["losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (mean, ref["losses"])
+    assert all(r["codes_unchanged"] for r in results)
+
+
+FORMATS = ("bf16", "int8", "int4", "nf4")
+
+
+def _bytes_worker(rank: int, world: int) -> dict:
+    """Per format: per-rank bytes of the frozen Linear weights and all-gather bytes of one forward, ZeRO-3 bf16."""
+    torch.set_num_threads(1)
+    from torch.distributed.tensor import DTensor
+
+    from ds_plugin.quant.frozen import quantized_weights
+    from ds_plugin.quant.frozen_weight import QuantizedWeight
+    from ds_plugin.zero.apply import apply_zero
+    from ds_plugin.zero.comms_logger import CommsLogger
+
+    out = {}
+    for fmt in FORMATS:
+        torch.manual_seed(0)
+        # Each frozen Linear is its own ZeRO-3 unit, so every all-gather is one frozen weight.
+        model = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(4)))
+        model.requires_grad_(False)
+        zero = {"stage": 3} if fmt == "bf16" else {"stage": 3, "frozen_format": fmt}
+        apply_zero(model, {"zero_optimization": zero, "bf16": {"enabled": True}}, block_types=[nn.Linear])
+        assert len(quantized_weights(model)) == (0 if fmt == "bf16" else 4)
+        local = 0
+        for p in model.parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            local += t.nbytes_stored() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+        x = torch.randn(2, 512, dtype=torch.bfloat16)
+        with CommsLogger() as comms, torch.no_grad():
+            y = model(x)
+        gathered = sum(s["bytes"] for (op, _), s in comms.summary()["total"].items() if op.startswith("all_gather"))
+        out[fmt] = {"local": local, "gathered": gathered, "finite": bool(torch.isfinite(y).all())}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_frozen_bytes_and_gather_bytes_shrink_with_the_format(world):
+    results = run_ranks(_bytes_worker, world, timeout=240)
+    for r in results:
+        base = r["bf16"]
+        assert base["local"] == 4 * 512 * 512 * 2 // world
+        for fmt, limit in (("int8", 0.52), ("int4", 0.28), ("nf4", 0.28)):
+            got = r[fmt]
+            assert got["finite"]
+            assert got["local"] <= limit * base["local"], (fmt, got["local"] / base["local"])
+            assert got["gathered"] <= limit * base["gathered"], (fmt, got["gathered"] / base["gathered"])
+            assert got["gathered"] > 0.2 * base["gathered"]  # the codes do travel
+
+
+def _no_masters_worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    quiet()
+    from torch.distributed.tensor import DTensor
+
+    from ds_plugin import initialize
+
+    out = {}
+    for stage in range(4):
+        model = _lora_llama().to(torch.bfloat16)
+        cfg = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}}
+        engine = initialize(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        x = _global_batch(0, world)[rank * PER_RANK : (rank + 1) * PER_RANK]
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        dtypes: dict[str, set[str]] = {"frozen": set(), "trainable": set()}
+        frozen_bytes = 0
+        for p in engine._params:
+            t = p.to_local() if isinstance(p, DTensor) else p
+            dtypes["trainable" if p.requires_grad else "frozen"].add(str(t.dtype))
+            if not p.requires_grad:
+                frozen_bytes += t.numel() * t.element_size()
+        out[stage] = {
+            "dtypes": {k: sorted(v) for k, v in dtypes.items()},
+            "optimizer_params": sum(len(g["params"]) for g in engine.optimizer.param_groups),
+            "states": len(engine.optimizer.state),
+            "frozen_grads": sum(p.grad is not None for p in engine.module.parameters() if not p.requires_grad),
+            "frozen_bytes": frozen_bytes,
+            "frozen_numel": sum(p.numel() for p in engine.module.parameters() if not p.requires_grad),
+        }
+    return out
+
+
+def test_frozen_parameters_get_no_master_no_gradient_no_optimizer_state():
+    results = run_ranks(_no_masters_worker, 2, timeout=300)
+    for r in results:
+        for stage, got in r.items():
+            assert got["dtypes"] == {"frozen": ["torch.bfloat16"], "trainable": ["torch.float32"]}, (stage, got)
+            assert got["optimizer_params"] == got["states"] == 16  # 2 layers x 4 targets x (A, B)
+            assert got["frozen_grads"] == 0
+            # bf16 storage: 2 bytes per frozen element, whole (stages 0/1) or sharded (2/3).
+            expected = 2 * got["frozen_numel"] // (1 if stage < 2 else 2)
+            assert abs(got["frozen_bytes"] - expected) <= 0.01 * expected, stage
