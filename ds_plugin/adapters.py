@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,41 +63,60 @@ def full_state_dict(engine: Any, module: nn.Module | None = None, *, trainable_o
     return out
 
 
-def save_adapter(engine: Any, path: str | os.PathLike, **save_kwargs: Any) -> Path:
-    """Save the peft adapter of ``engine.module`` to ``path``, whole; every rank must call it.
+def _is_peft(module: nn.Module) -> bool:
+    # peft's outer model; its tuner (`base_model`) and the wrapped transformers model carry `peft_config` too.
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def _peft_model(engine: Any, module: nn.Module | None) -> nn.Module:
+    if module is not None:
+        if not _is_peft(module):
+            raise TypeError(f"save_adapter: {type(module).__name__} is not a peft model (peft.get_peft_model)")
+        return module
+    found = [m for m in engine.module.modules() if _is_peft(m)]
+    if len(found) != 1:
+        what = "no peft model" if not found else f"{len(found)} peft models"
+        raise TypeError(
+            f"save_adapter: the trained {type(engine.module).__name__} holds {what}; wrap the model with "
+            "peft.get_peft_model before setup, or pass module= to choose one"
+        )
+    return found[0]
+
+
+def save_adapter(engine: Any, path: str | os.PathLike, *, module: nn.Module | None = None, **save_kwargs: Any) -> Path:
+    """Save the peft adapter of the engine's model to ``path``, whole; every rank must call it.
 
     Args:
-        engine: the ``ZeroEngine`` running a peft model (``peft.get_peft_model``).
+        engine: the ``ZeroEngine`` (``initialize``'s result, or ``trainer.strategy.engine`` in Lightning).
         path: the adapter directory (``PeftModel.from_pretrained(base, path)`` reads it).
+        module: the peft model inside the engine's model; default the only one there (a LightningModule's
+            ``self.model``, or the engine's model itself).
         save_kwargs: passed to peft's ``save_pretrained`` (``selected_adapters``, ``safe_serialization`` ...).
 
     Raises:
-        TypeError: the engine's model is not a peft model.
+        TypeError: no peft model (or more than one, without ``module``) in the engine's model.
         ValueError: the model has no trainable parameter to save.
     """
-    model = engine.module
-    if not callable(getattr(model, "save_pretrained", None)) or not hasattr(model, "peft_config"):
-        raise TypeError(
-            f"save_adapter: {type(model).__name__} is not a peft model; wrap it with peft.get_peft_model before "
-            "initialize, or save the whole model with save_checkpoint"
-        )
-    state = full_state_dict(engine, trainable_only=True)
+    model = _peft_model(engine, module)
+    state = full_state_dict(engine, model, trainable_only=True)
     if not state and _rank() == 0:
         raise ValueError("save_adapter: the model has no trainable parameter; nothing would be saved")
     path = Path(path)
     # Prompt learning (P-Tuning, prefix tuning) saves what its prompt encoder computes, not a state dict: under
     # ZeRO-2/3 the encoder's weights are shards until gathered, and the encoder lives in the root's unit.
     prompt_learning = any(getattr(c, "is_prompt_learning", False) for c in model.peft_config.values())
-    gather = prompt_learning and isinstance(model, FSDPModule)
+    root = engine.module
+    gather = prompt_learning and isinstance(root, FSDPModule)
     if gather:
-        model.unshard()
+        root.unshard()
     try:
         if _rank() == 0:
             model.save_pretrained(str(path), state_dict=state, **save_kwargs)
             logger.info("saved adapter (%d tensors) to %s", len(state), path)
     finally:
         if gather:
-            model.reshard()
+            root.reshard()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return path

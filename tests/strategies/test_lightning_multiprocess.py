@@ -93,6 +93,16 @@ def test_strategy_collectives(suite: dict[str, Any]) -> None:
     assert c["any"] is True and c["all"] is False
 
 
+def test_qlora_zeropp_on_an_nf4_base_saves_a_whole_adapter(suite: dict[str, Any]) -> None:
+    qlora = part(suite, "qlora")
+    assert qlora["stage"] == 3 and qlora["quantized"] == 14 and qlora["sharded"] > 14
+    assert len(qlora["losses"]) == 8
+    assert qlora["adapter_keys"] == 16 and qlora["adapter_loaded"]  # 2 layers x q/k/v/o x (A, B), whole
+    assert qlora["lora_b_max"] > 0  # LoRA B starts at zero: it trained
+    assert "adapter_model.safetensors" in qlora["files"]
+    assert qlora["logits_diff"] < 1e-5
+
+
 def test_lora_zeropp_adapter_reloads(suite: dict[str, Any]) -> None:
     lora = part(suite, "lora")
     assert (lora["stage"], lora["hpz"], lora["qwz"], lora["qgz"]) == (3, 2, True, True)

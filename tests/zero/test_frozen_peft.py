@@ -1,4 +1,4 @@
-"""peft on a quantized frozen base under ZeRO-3: LoRA (+ modules_to_save), P-Tuning v1 and prefix tuning (v2).
+"""peft prompt learning on a quantized frozen base under ZeRO-3: P-Tuning v1 and prefix tuning (P-Tuning v2).
 
 Each run trains on 2 gloo ranks, saves the adapter with `save_adapter`, and the test process reloads it onto a
 fresh base, stores that base in the same format, and must reproduce the trained model's logits.
@@ -6,6 +6,7 @@ fresh base, stores that base in the same format, and must reproduce the trained 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -38,14 +39,6 @@ def _base():
 
 
 def _peft_config(kind: str):
-    if kind == "lora":
-        return peft.LoraConfig(
-            r=8,
-            lora_alpha=16,
-            lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            modules_to_save=["lm_head"],
-        )
     if kind == "ptuning":
         return peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=32)
     return peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
@@ -89,19 +82,17 @@ def _reload(kind: str, fmt: str, path: str) -> torch.Tensor:
         return model(input_ids=_probe()).logits
 
 
-@pytest.mark.parametrize(("kind", "fmt"), [("lora", "nf4"), ("ptuning", "int4"), ("prefix", "int4")])
+# LoRA (with modules_to_save) is saved and reloaded the same way in test_frozen_zero.py, at 2 and 4 ranks.
+@pytest.mark.parametrize(("kind", "fmt"), [("ptuning", "int4"), ("prefix", "nf4")])
 def test_adapter_trained_at_zero3_on_a_quantized_base_reloads_exactly(kind, fmt, tmp_path):
     quiet()
     path = str(tmp_path / "adapter")
     results = run_ranks(_train, 2, timeout=300, kind=kind, fmt=fmt, out_dir=path)
     for r in results:
-        # It learns the one batch; with a no-op optimizer every loss would equal the first. A prompt encoder moves
-        # the loss less than LoRA + a trainable head in 6 steps, but steadily: every step lowers it.
+        # It learns the one batch: slowly in 6 steps, but every step lowers the loss (a no-op optimizer would
+        # repeat the first loss).
         losses = r["losses"]
-        if kind == "lora":
-            assert losses[-1] < 0.9 * losses[0], losses
-        else:
-            assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.995 * losses[0], losses
+        assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < 0.995 * losses[0], losses
     # The saved tensors are whole: every entry has the unsharded model's shape, none is empty.
     from safetensors.torch import load_file
 
@@ -111,8 +102,6 @@ def test_adapter_trained_at_zero3_on_a_quantized_base_reloads_exactly(kind, fmt,
     assert set(saved) == set(expected) and saved
     for k, v in saved.items():
         assert v.shape == expected[k].shape and v.numel() > 0, k
-    if kind == "lora":
-        assert any("lm_head" in k for k in saved)  # modules_to_save is in the adapter, whole
     # A fresh base + the adapter + the same storage format reproduces what the trained model computes.
     got = _reload(kind, fmt, path)
     torch.testing.assert_close(got, results[0]["logits"], rtol=0, atol=1e-5)

@@ -34,11 +34,17 @@ def _lora_llama(hidden: int = 64) -> nn.Module:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     warnings.simplefilter("ignore")
-    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=QKVO))
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=QKVO, modules_to_save=["lm_head"])
+    return peft.get_peft_model(model, cfg)
+
+
+def _probe() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(99))
 
 
 def _global_batch(step: int, world: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(500 + step)
+    # One batch, learned by heart (random tokens hold nothing else to learn in a few steps).
+    g = torch.Generator().manual_seed(500)
     return torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g)
 
 
@@ -48,10 +54,10 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
 
 
-def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None) -> dict:
+def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None, adapter: str | None = None) -> dict:
     torch.set_num_threads(1)
     quiet()
-    from ds_plugin import initialize
+    from ds_plugin import initialize, save_adapter
     from ds_plugin.quant.frozen import quantized_weights
 
     model = _lora_llama()
@@ -75,6 +81,10 @@ def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None)
         "trainable": sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),
         "params": {n: _full(p) for n, p in engine.module.named_parameters() if p.requires_grad},
     }
+    if adapter:
+        save_adapter(engine, adapter)
+        with torch.no_grad():
+            out["logits"] = engine(input_ids=_probe()).logits.detach().clone()
     if ckpt:
         from ds_plugin.zero.checkpoint import load_checkpoint, save_checkpoint
 
@@ -117,10 +127,24 @@ def _single_process(fmt: str, world: int) -> dict:
     return {"losses": losses, "before": before, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def _reloaded_logits(fmt: str, path: str) -> torch.Tensor:
+    import peft
+
+    from ds_plugin import quantize_frozen_
+
+    model = peft.PeftModel.from_pretrained(_lora_llama().get_base_model(), path)
+    quantize_frozen_(model, fmt)
+    with torch.no_grad():
+        return model(input_ids=_probe()).logits
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fmt", ["int4", "nf4"])
 def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_path):
-    results = run_ranks(_train_worker, world, timeout=300, fmt=fmt, stage=3, ckpt=str(tmp_path / "ckpt"))
+    adapter = str(tmp_path / "adapter")
+    results = run_ranks(
+        _train_worker, world, timeout=300, fmt=fmt, stage=3, ckpt=str(tmp_path / "ckpt"), adapter=adapter
+    )
     ref = _single_process(fmt, world)
     mean = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
     for got, want in zip(mean, ref["losses"], strict=True):
@@ -128,12 +152,15 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_p
     assert ref["losses"][-1] < ref["losses"][0]  # it learns
     r0 = results[0]
     assert len(r0["quantized"]) == 14 and all(r["codes_unchanged"] for r in results)
-    assert all("lora_" in n for n in r0["trainable"])
+    assert all("lora_" in n or "modules_to_save" in n for n in r0["trainable"])
     for n, p in r0["params"].items():
         assert not torch.equal(p, ref["before"][n].float()), n  # every adapter moved
         # Adam divides by sqrt(v): where a gradient is ~0, reduction-order noise moves a step by a fraction of lr.
         torch.testing.assert_close(p, ref["params"][n].float(), rtol=1e-3, atol=1e-3)
     assert all(r["reloaded_codes_equal"] and r["reloaded_params_equal"] for r in results)
+    # The adapter (modules_to_save's head included) saved whole: on a fresh base stored the same way it
+    # reproduces what the trained ZeRO-3 model computes.
+    torch.testing.assert_close(_reloaded_logits(fmt, adapter), r0["logits"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -232,7 +259,8 @@ def test_frozen_parameters_get_no_master_no_gradient_no_optimizer_state():
     for r in results:
         for stage, got in r.items():
             assert got["dtypes"] == {"frozen": ["torch.bfloat16"], "trainable": ["torch.float32"]}, (stage, got)
-            assert got["optimizer_params"] == got["states"] == 16  # 2 layers x 4 targets x (A, B)
+            # 2 layers x 4 targets x (A, B), and the trainable copy of the head (modules_to_save)
+            assert got["optimizer_params"] == got["states"] == 17
             assert got["frozen_grads"] == 0
             # bf16 storage: 2 bytes per frozen element, whole (stages 0/1) or sharded (2/3).
             expected = 2 * got["frozen_numel"] // (1 if stage < 2 else 2)

@@ -1,9 +1,9 @@
 """Every two-rank Lightning check that can share one launch (Lightning's launcher re-runs this script for rank 1).
 
-Parts, in order: parity (all strategy names vs ddp), lora (peft + zeropp), fabric, plans (one config through
-initialize, the Trainer and Fabric), resume (needs `--killed`, the
-workdir of a `resume.py --mode kill` run). An exception inside a Trainer makes Lightning kill the other rank,
-so the suite stops at the first failing part and reports it; later parts are marked as not run.
+Parts, in order: parity (all strategy names vs ddp), lora (peft + zeropp), qlora (peft on an NF4 base + zeropp),
+fabric, plans (one config through initialize, the Trainer and Fabric), resume (needs `--killed`, the workdir of a
+`resume.py --mode kill` run). An exception inside a Trainer makes Lightning kill the other rank, so the suite
+stops at the first failing part and reports it; later parts are marked as not run.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import fabric_zero
 import lora_zeropp
 import parity
 import plan_parity
+import qlora_zeropp
 import resume
 from _tiny_lightning import run
 
 PARTS = {
     "parity": parity.main,
     "lora": lora_zeropp.main,
+    "qlora": qlora_zeropp.main,
     "fabric": fabric_zero.main,
     "plans": plan_parity.main,
     "resume": resume.resume,
