@@ -17,6 +17,7 @@ sharded by rows like the weight, so it reloads at any world size, bit for bit.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,8 @@ from ds_plugin.quant.weight_formats import DEFAULT_GROUP_SIZE, FORMATS, check_we
 
 __all__ = [
     "FROZEN_FORMATS",
+    "check_shardable",
+    "default_group_size",
     "frozen_storage_stats",
     "is_output_head",
     "load_quantized_parts",
@@ -119,6 +122,21 @@ def _default_filter(model: nn.Module) -> FilterFn:
     return keep
 
 
+def default_group_size(fmt: str, cols: int) -> int:
+    """The group size ``quantize_frozen_`` uses for a weight with ``cols`` input columns when none is given.
+
+    The format's default (``DEFAULT_GROUP_SIZE``) where it divides the width; otherwise the largest common
+    divisor of the two (a finer grouping: a little more scale overhead, never a worse fit), e.g. 32 for a
+    96-wide weight and a default of 64.
+
+    Args:
+        fmt: "int8", "int4" or "nf4".
+        cols: the weight's K.
+    """
+    default = DEFAULT_GROUP_SIZE[fmt]
+    return default if cols % default == 0 else math.gcd(cols, default)
+
+
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
     """Name -> quantized weight, for every :class:`QuantizedWeight` parameter in ``model`` (sharded or not).
 
@@ -160,7 +178,7 @@ def quantize_frozen_(
         model: the model; its Linear weights must be materialised (not on the meta device).
         fmt: "int8" (blockwise absmax), "int4" (group-wise, searched scales) or "nf4" (QLoRA's codebook,
             double-quantized scales); "fp6" is refused until its kernels exist.
-        group_size: elements per scale along a row; default per format (see ``DEFAULT_GROUP_SIZE``).
+        group_size: elements per scale along a row; default per format and width (``default_group_size``).
         filter_fn: ``(module, name) -> bool`` choosing which ``nn.Linear`` layers to convert, replacing the
             default (frozen, not the output head, not a module peft added).
         method: the format's quantization method ("absmax" for plain INT4 scales; see ``quantize_weight``).
@@ -170,7 +188,6 @@ def quantize_frozen_(
             width the group size does not divide; nothing is converted then.
     """
     _check_format(fmt)
-    group = group_size or DEFAULT_GROUP_SIZE[fmt]
     choose = filter_fn or _default_filter(model)
     chosen: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
@@ -190,7 +207,7 @@ def quantize_frozen_(
         if isinstance(w, DTensor):
             raise ValueError(f"{label} is already sharded; call quantize_frozen_ before apply_zero / initialize")
         try:
-            check_weight(fmt, tuple(w.shape), min(group, w.shape[1]) if group_size is None else group)
+            check_weight(fmt, tuple(w.shape), default_group_size(fmt, w.shape[1]) if group_size is None else group_size)
         except ValueError as e:
             raise ValueError(f"{label}: {e}") from None
         chosen.append((name, module))
@@ -200,7 +217,7 @@ def quantize_frozen_(
     for _, module in chosen:
         w = module.weight
         if id(w) not in done:
-            g = min(group, w.shape[1]) if group_size is None else group
+            g = default_group_size(fmt, w.shape[1]) if group_size is None else group_size
             q = QuantizedWeight.from_float(w, fmt, g, method=method, stats=stats)
             done[id(w)] = nn.Parameter(q, requires_grad=False)
             before += w.numel() * w.element_size()

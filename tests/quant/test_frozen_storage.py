@@ -186,6 +186,13 @@ def test_peft_merge_requantizes_and_reports_its_error():
     x = _tokens()
     with torch.no_grad():
         unmerged = model(input_ids=x).logits
+    # merge then unmerge: two requantizations, back within INT8 rounding of the original codes' values.
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    original = base.dequantize()
+    model.merge_adapter()
+    model.unmerge_adapter()
+    back = (base.dequantize() - original).norm() / original.norm()
+    assert 0 < back < 0.02 and base.last_requantization_error is not None
     merged = model.merge_and_unload()
     q = merged.model.layers[0].self_attn.q_proj.weight
     assert isinstance(q, QuantizedWeight)
@@ -224,3 +231,16 @@ def test_logit_error_against_the_bf16_model(build, name, fmt, limit):
         got = model(input_ids=x).logits.float()
     rel = float((got - ref).norm() / ref.norm())
     assert 0 < rel <= limit, (name, fmt, rel)
+
+
+def test_a_width_the_default_group_does_not_divide_gets_a_finer_group():
+    model = nn.Sequential(nn.Linear(96, 8), nn.Linear(8, 4)).requires_grad_(False)
+    quantize_frozen_(model, "int4", filter_fn=lambda m, name: True)
+    first, second = model[0].weight, model[1].weight
+    assert isinstance(first, QuantizedWeight) and isinstance(second, QuantizedWeight)
+    assert first.group_size == 32 and second.group_size == 8  # gcd with the default 64
+    x = torch.randn(3, 96)
+    ref = nn.functional.linear(
+        nn.functional.linear(x, first.dequantize(), model[0].bias), second.dequantize(), model[1].bias
+    )
+    assert torch.equal(model(x), ref)
