@@ -4,7 +4,8 @@
 torch.distributed), assembles every full weight, and writes `model.safetensors` (or numbered shards plus
 `model.safetensors.index.json` past `max_shard_size`). When the checkpoint's `extra` holds a transformers
 config (`save_fsdp` records it), `config.json` is written too and tied weights are stored once, as
-`save_pretrained` does, so `AutoModelForCausalLM.from_pretrained(out_dir)` loads it directly.
+`save_pretrained` does, so `AutoModelForCausalLM.from_pretrained(out_dir)` loads it directly. Frozen weights that
+training stored quantized (`quantize_frozen_`) are written dequantized, in the dtype they computed in.
 `export_command` is what `ds-plugin export CKPT_DIR OUT_DIR [--dtype]` runs.
 """
 
@@ -15,6 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,6 +68,23 @@ def _clear_old_weights(out: Path) -> None:
             f.unlink()
 
 
+def _dequantize(state: dict[str, torch.Tensor], quantized: dict[str, Any], ckpt_dir: Any) -> dict[str, torch.Tensor]:
+    # A frozen weight stored as INT8/INT4/NF4 was checkpointed as its components (`<name>.codes`, ...): write the
+    # weight they encode, so `from_pretrained` loads a plain model (quantize it again with `quantize_frozen_`).
+    from ds_plugin.quant.weight_formats import dequantize_weight
+
+    for name, spec in quantized.items():
+        prefix = f"{name}."
+        parts = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+        if not parts:
+            raise CheckpointError(f"checkpoint {ckpt_dir} lists {name!r} as {spec['format']} but holds no component")
+        for part in parts:
+            del state[prefix + part]
+        dtype = getattr(torch, spec["dtype"])
+        state[name] = dequantize_weight(parts, spec["format"], int(spec["group_size"]), dtype)
+    return state
+
+
 def _export(
     ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | None, max_shard_size: int
 ) -> tuple[Path, int, int]:
@@ -76,6 +95,7 @@ def _export(
     state = load_full_state_dict(ckpt_dir)
     if not state:
         raise CheckpointError(f"checkpoint {ckpt_dir} holds no model tensors")
+    state = _dequantize(state, extra.get("quantized_weights", {}), ckpt_dir)
     hf_config = extra.get("hf_config")
     if hf_config is not None:
         # Like save_pretrained: a tied group is stored under its first name and re-tied on load.

@@ -473,7 +473,8 @@ def load_full_state_dict(path: str | os.PathLike, prefix: str = "model") -> dict
 
 # -- raw FSDP2 / plain models ----------------------------------------------------------------------------------
 def model_metadata(model: torch.nn.Module) -> dict[str, Any]:
-    """What export needs to know about a model: its class, tied parameters, and a transformers config.
+    """What export needs to know about a model: its class, tied parameters, quantized frozen weights, and a
+    transformers config.
 
     Args:
         model: the (possibly fully_shard-ed) model.
@@ -487,6 +488,15 @@ def model_metadata(model: torch.nn.Module) -> dict[str, Any]:
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "tied_weights": [group for group in names.values() if len(group) > 1],
     }
+    from ds_plugin.quant.frozen import quantized_weights
+
+    # A frozen weight stored quantized is saved as its components; export turns them back into the weight.
+    quantized = {
+        name: {"format": q.fmt, "group_size": q.group_size, "dtype": str(q.dtype).removeprefix("torch.")}
+        for name, q in quantized_weights(model).items()
+    }
+    if quantized:
+        meta["quantized_weights"] = quantized
     config = getattr(model, "config", None)
     if callable(getattr(config, "to_dict", None)):
         meta["hf_config"] = json.loads(json.dumps(config.to_dict(), default=str))

@@ -86,9 +86,10 @@ def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None,
         with torch.no_grad():
             out["logits"] = engine(input_ids=_probe()).logits.detach().clone()
     if ckpt:
-        from ds_plugin.zero.checkpoint import load_checkpoint, save_checkpoint
+        from ds_plugin.zero.checkpoint import load_checkpoint, model_metadata, save_checkpoint
 
-        save_checkpoint(ckpt, model_state=engine.model_state_dict(), overwrite=True)
+        extra = model_metadata(engine.module)
+        save_checkpoint(ckpt, model_state=engine.model_state_dict(), extra=extra, overwrite=True)
         with torch.no_grad():  # scramble the live state, then load it back
             for q in quantized.values():
                 for t in q.parts.values():
@@ -107,13 +108,16 @@ def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None,
     return out
 
 
-def _single_process(fmt: str, world: int) -> dict:
-    """The reference: the same quantized base and adapters, one process, the whole global batch per step."""
+def _single_process_model(fmt: str) -> nn.Module:
     from ds_plugin import quantize_frozen_
 
     quiet()
-    model = _lora_llama()
-    quantize_frozen_(model, fmt)
+    return quantize_frozen_(_lora_llama(), fmt)
+
+
+def _single_process(fmt: str, world: int) -> dict:
+    """The reference: the same quantized base and adapters, one process, the whole global batch per step."""
+    model = _single_process_model(fmt)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     losses = []
@@ -158,6 +162,18 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_p
         # Adam divides by sqrt(v): where a gradient is ~0, reduction-order noise moves a step by a fraction of lr.
         torch.testing.assert_close(p, ref["params"][n].float(), rtol=1e-3, atol=1e-3)
     assert all(r["reloaded_codes_equal"] and r["reloaded_params_equal"] for r in results)
+    # `ds-plugin export` writes the quantized base as the weights it encodes, by their own names.
+    from safetensors.torch import load_file
+
+    from ds_plugin.export import export_checkpoint
+    from ds_plugin.quant.frozen import quantized_weights
+
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "export"))
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert not any(k.endswith((".codes", ".scales")) for k in exported)
+    ref_model = _single_process_model(fmt)
+    for name, q in quantized_weights(ref_model).items():
+        assert torch.equal(exported[name], q.dequantize()), name
     # The adapter (modules_to_save's head included) saved whole: on a fresh base stored the same way it
     # reproduces what the trained ZeRO-3 model computes.
     torch.testing.assert_close(_reloaded_logits(fmt, adapter), r0["logits"], rtol=0, atol=1e-5)
