@@ -15,6 +15,7 @@ from ds_plugin.config import ConfigError
 
 BENCHMARKS = {
     "zero-memory": "ds_plugin.bench.zero_memory",
+    "lora-memory": "ds_plugin.bench.lora_memory",
     "peers": "ds_plugin.bench.peers",
     "comm": "ds_plugin.bench.comm",
     "slow-link": "ds_plugin.bench.slow_link",
@@ -70,7 +71,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         shape = ModelShape(params=int(args.params), hidden_size=args.hidden_size, num_layers=args.num_layers)
     try:
         result = estimate(
-            shape, args.world_size, nodes=args.nodes, lora_rank=args.lora_rank, frozen_format=args.frozen_format
+            shape,
+            args.world_size,
+            nodes=args.nodes,
+            lora_rank=args.lora_rank,
+            frozen_format=args.frozen_format,
+            lora_targets=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
+            frozen_group_size=args.frozen_group_size,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -108,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", help="a transformers config.json (or its directory) instead of --params")
     p.add_argument("--world-size", type=int, required=True, help="total ranks")
     p.add_argument("--nodes", type=int, default=1, help="nodes the ranks span")
-    p.add_argument("--lora-rank", type=int, help="also estimate LoRA with this rank on q/k/v/o")
-    p.add_argument("--frozen-format", default="bf16", help="bf16|int8|int4|nf4|fp6: storage of frozen weights")
+    p.add_argument("--lora-rank", type=int, help="also estimate LoRA with this rank (on --lora-targets)")
+    p.add_argument(
+        "--lora-targets",
+        default="q,k,v,o",
+        help="comma-separated projections LoRA adapts: q,k,v,o,gate,up,down, module names, or all-linear",
+    )
+    p.add_argument("--frozen-format", default="bf16", help="bf16|int8|int4|nf4|fp6: storage of frozen Linear weights")
+    p.add_argument("--frozen-group-size", type=int, help="elements per scale of int8/int4/nf4 (default 128, 64, 64)")
     p.add_argument("--hidden-size", type=int, help="with --params and --lora-rank: the hidden size")
     p.add_argument("--num-layers", type=int, help="with --params and --lora-rank: the number of layers")
     p.add_argument("--json", action="store_true", help="print JSON")

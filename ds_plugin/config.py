@@ -195,7 +195,7 @@ class ZeroConfig:
         "none", doc="ds_plugin: storage of frozen Linear weights (LoRA's base): int8, int4 or nf4; none keeps them"
     )
     frozen_group_size: int | None = option(
-        None, doc="ds_plugin: elements per scale of frozen_format (null: 256 int8, 128 int4, 64 nf4)", ge=2
+        None, doc="ds_plugin: elements per scale of frozen_format (null: 128 int8, 64 int4, 64 nf4)", ge=2
     )
     zero_quantized_gradients: bool = option(False, doc="qgZ: INT4 all-to-all gradient reduction")
     zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=2)

@@ -5,36 +5,57 @@ Model states of mixed-precision Adam with Ψ parameters on N ranks: 2Ψ compute 
 stage 3 also the weights. Activations, buffers and fragmentation are not model states and are not counted.
 
 For LoRA, the frozen base weights carry no gradient and no optimizer state: they cost only their storage
-bytes (bf16, or a quantized format), sharded across ranks in stage 3, while the adapters follow the formulas.
+bytes, while the adapters follow the formulas. As ds_plugin stores them: the decoder layers' frozen
+``nn.Linear`` weights in the frozen format (bf16, or INT8 / INT4 / NF4 codes and scales, exactly as
+``ds_plugin.quant.weight_formats.weight_nbytes`` counts them), every other frozen parameter (embeddings, norms,
+biases, the output head) in bf16; whole on every rank at stages 0-1, sharded across ranks at stages 2-3 (FSDP2
+shards every parameter, frozen ones included; DeepSpeed's stage 2 would keep them whole).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Bytes per element of each frozen-weight storage format, scales included:
-# int8/int4 carry one fp32 scale per block of 4096 (qwZ-style) elements; nf4 is bitsandbytes' 64-element
-# blocks with double-quantized absmax (≈ 4.127 bits); fp6 e3m2 carries one fp16 scale per output row,
-# which is negligible for real layer widths and counted here as 0.
-FROZEN_FORMAT_BYTES: dict[str, float] = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "int8": 1.0 + 4 / 4096,
-    "int4": 0.5 + 4 / 4096,
-    "nf4": 4.127 / 8,
-    "fp6": 6 / 8,
-}
+# Frozen-weight storage formats the estimate knows. int8/int4/nf4 are ds_plugin's group-wise formats
+# (`ds_plugin.quant.weight_formats`); fp6 e3m2 carries one fp16 scale per output row, counted here as 0.
+QUANTIZED_FORMATS = ("int8", "int4", "nf4")
+FROZEN_FORMATS = ("fp32", "bf16", "fp16", *QUANTIZED_FORMATS, "fp6")
+# ds_plugin.quant.weight_formats.DEFAULT_GROUP_SIZE, repeated so the estimate needs no torch import for it
+# (tests/test_estimate.py checks that the two agree).
+DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 64, "nf4": 64}
+DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
 # K in the ZeRO paper: optimizer-state bytes per parameter for mixed-precision Adam.
 ADAM_STATE_BYTES = 12
 COMPUTE_WEIGHT_BYTES = 2
 GRAD_BYTES = 2
+
+
+def frozen_bytes_per_element(fmt: str, group_size: int | None = None) -> float:
+    """Bytes per weight element of a frozen-weight format, scales included (ignoring NF4's 8 bytes per row).
+
+    Args:
+        fmt: one of FROZEN_FORMATS.
+        group_size: elements per scale for int8/int4/nf4; default DEFAULT_GROUP_SIZE.
+    """
+    if fmt not in FROZEN_FORMATS:
+        raise ValueError(f"--frozen-format {fmt!r} is not one of {', '.join(FROZEN_FORMATS)}")
+    if fmt not in QUANTIZED_FORMATS:
+        return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp6": 6 / 8}[fmt]
+    g = group_size or DEFAULT_GROUP_SIZE[fmt]
+    # int8: code + a bf16 scale per group; int4: half a byte + bf16 scale + uint8 zero point per group;
+    # nf4: half a byte + an int8 double-quantized absmax per group.
+    return {"int8": 1 + 2 / g, "int4": 0.5 + 3 / g, "nf4": 0.5 + 1 / g}[fmt]
+
+
+# Bytes per element at the default group sizes (kept for callers of the old table).
+FROZEN_FORMAT_BYTES: dict[str, float] = {f: frozen_bytes_per_element(f) for f in FROZEN_FORMATS}
 
 
 def zero_model_state_bytes(params: float, world_size: int, stage: int) -> float:
@@ -57,10 +78,49 @@ def zero_model_state_bytes(params: float, world_size: int, stage: int) -> float:
     raise ValueError(f"stage {stage} is not a ZeRO stage; use 0, 1, 2 or 3")
 
 
+def lora_model_state_bytes(trainable: float, frozen_bytes: float, world_size: int, stage: int) -> float:
+    """Per-rank model-state bytes of a LoRA run: the adapters by the ZeRO formula, the frozen base by its storage.
+
+    Args:
+        trainable: trainable (adapter) parameter count Ψt.
+        frozen_bytes: storage bytes of every frozen parameter, whole model.
+        world_size: data-parallel ranks N.
+        stage: 0, 1, 2 or 3; the frozen storage is sharded from stage 2 on (FSDP2).
+    """
+    shards = world_size if stage >= 2 else 1
+    return zero_model_state_bytes(trainable, world_size, stage) + frozen_bytes / shards
+
+
 def frozen_state_bytes(frozen_params: float, world_size: int, stage: int, fmt: str) -> float:
-    """Per-rank bytes of frozen (non-trainable) weights: storage only, sharded in stage 3."""
-    per = FROZEN_FORMAT_BYTES[fmt] * float(frozen_params)
-    return per / world_size if stage == 3 else per
+    """Per-rank bytes of frozen (non-trainable) weights all stored in `fmt`: storage only, sharded at stages 2-3.
+
+    Args:
+        frozen_params: frozen parameter count.
+        world_size: data-parallel ranks N.
+        stage: 0, 1, 2 or 3.
+        fmt: one of FROZEN_FORMATS (default group size).
+    """
+    per = frozen_bytes_per_element(fmt) * float(frozen_params)
+    return per / world_size if stage >= 2 else per
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One Linear weight of a decoder layer: (out_features, in_features), and the LoRA target names it answers to.
+
+    Args:
+        name: the module's name in the layer (peft's target name).
+        out_features: rows N of the weight.
+        in_features: columns K of the weight.
+        aliases: short target names (q, k, v, o, gate, up, down) that select it.
+        quantizable: whether ds_plugin's frozen formats apply (an ``nn.Linear``; GPT-2's Conv1D is not one).
+    """
+
+    name: str
+    out_features: int
+    in_features: int
+    aliases: tuple[str, ...] = ()
+    quantizable: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,18 +131,90 @@ class ModelShape:
     hidden_size: int | None = None
     num_layers: int | None = None
     kv_size: int | None = None  # hidden size of k/v projections (GQA); defaults to hidden_size
+    linears: tuple[LinearShape, ...] = ()  # one decoder layer's Linear weights (from a model config)
 
 
-def lora_params(shape: ModelShape, rank: int) -> int:
-    """LoRA adapter parameters on the attention projections q, k, v, o of every layer (peft's A and B)."""
+def _selected(linear: LinearShape, targets: Sequence[str]) -> bool:
+    return "all-linear" in targets or linear.name in targets or any(a in targets for a in linear.aliases)
+
+
+def lora_params(shape: ModelShape, rank: int, targets: Sequence[str] = DEFAULT_LORA_TARGETS) -> int:
+    """LoRA adapter parameters (peft's A and B) on the chosen projections of every layer.
+
+    Args:
+        shape: the model's shape; its `linears` when known, else hidden size and layers (q/k/v/o only).
+        rank: LoRA rank r.
+        targets: projection names: q, k, v, o, gate, up, down, a module name, or "all-linear".
+    """
     if shape.hidden_size is None or shape.num_layers is None:
         raise ValueError(
             "LoRA sizing needs the layer shape: pass --model-config config.json, or --hidden-size and --num-layers"
         )
+    if not targets:
+        raise ValueError("--lora-targets is empty; name at least one projection (default q,k,v,o)")
+    if shape.linears:
+        chosen = [lin for lin in shape.linears if _selected(lin, targets)]
+        unknown = [t for t in targets if t != "all-linear" and not any(_selected(lin, [t]) for lin in shape.linears)]
+        if unknown:
+            names = ", ".join(sorted({a for lin in shape.linears for a in (lin.name, *lin.aliases)}))
+            raise ValueError(f"--lora-targets {','.join(unknown)}: no such projection; choose from {names}")
+        # Each adapted Linear(in, out) adds A (rank x in) and B (out x rank).
+        return shape.num_layers * sum(rank * (lin.in_features + lin.out_features) for lin in chosen)
     h, kv = shape.hidden_size, shape.kv_size or shape.hidden_size
-    # Each adapted Linear(in, out) adds A (rank x in) and B (out x rank).
-    per_layer = rank * (h + h) + 2 * rank * (h + kv) + rank * (h + h)
-    return per_layer * shape.num_layers
+    sizes = {"q": h + h, "k": h + kv, "v": h + kv, "o": h + h}
+    unknown = [t for t in targets if t not in sizes]
+    if unknown:
+        raise ValueError(
+            f"--lora-targets {','.join(unknown)}: with --params only q, k, v, o are known; pass --model-config"
+        )
+    return shape.num_layers * sum(rank * sizes[t] for t in targets)
+
+
+def frozen_base_bytes(shape: ModelShape, fmt: str, group_size: int | None = None) -> dict[str, Any]:
+    """Storage bytes of the whole frozen base model (unsharded) with its Linear weights in `fmt`.
+
+    With the decoder layers' Linear shapes known, each quantizable one is counted exactly as
+    ``weight_nbytes`` does and everything else in bf16 (fp32 when `fmt` is fp32). Without them, every
+    parameter is counted in `fmt` (an underestimate for a quantized format: embeddings stay bf16).
+
+    Args:
+        shape: the model's shape.
+        fmt: one of FROZEN_FORMATS.
+        group_size: elements per scale for int8/int4/nf4; default DEFAULT_GROUP_SIZE.
+    """
+    frozen_bytes_per_element(fmt, group_size)  # validates fmt
+    if group_size is not None and fmt not in QUANTIZED_FORMATS:
+        raise ValueError(f"--frozen-group-size applies to {', '.join(QUANTIZED_FORMATS)}, not {fmt}")
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"--frozen-group-size {group_size} must be at least 1")
+    if not shape.linears or shape.num_layers is None:
+        total = frozen_bytes_per_element(fmt, group_size) * shape.params
+        return {"bytes": math.ceil(total), "linear_bytes": None, "exact": False}
+    other_dtype_bytes = 4 if fmt == "fp32" else 2
+    linear_numel = linear_bytes = 0
+    for lin in shape.linears:
+        numel = lin.out_features * lin.in_features
+        linear_numel += numel
+        linear_bytes += _weight_bytes(lin, fmt, group_size) if lin.quantizable else numel * other_dtype_bytes
+    linear_numel *= shape.num_layers
+    linear_bytes *= shape.num_layers
+    rest = (shape.params - linear_numel) * other_dtype_bytes
+    return {"bytes": linear_bytes + rest, "linear_bytes": linear_bytes, "exact": True}
+
+
+def _weight_bytes(lin: LinearShape, fmt: str, group_size: int | None) -> int:
+    numel = lin.out_features * lin.in_features
+    if fmt not in QUANTIZED_FORMATS:
+        return math.ceil(frozen_bytes_per_element(fmt) * numel)
+    # The quantized layouts live with the formats; imported here so the plain estimate needs no torch.
+    from ds_plugin.quant.weight_formats import weight_nbytes
+
+    # quantize_frozen_'s rule: the default group is capped at the row width.
+    g = group_size or min(DEFAULT_GROUP_SIZE[fmt], lin.in_features)
+    try:
+        return weight_nbytes((lin.out_features, lin.in_features), fmt, g)
+    except ValueError as e:
+        raise ValueError(f"{lin.name}: {e}") from None
 
 
 def shape_from_hf_config(cfg: Mapping[str, Any]) -> ModelShape:
@@ -120,7 +252,33 @@ def shape_from_hf_config(cfg: Mapping[str, Any]) -> ModelShape:
     tied = cfg.get("tie_word_embeddings", True)
     final_norm = h * (2 if bias else 1)
     total = layers * per_layer + embed + positions + final_norm + (0 if tied else vocab * h)
-    return ModelShape(params=int(total), hidden_size=int(h), num_layers=int(layers), kv_size=int(kv))
+    shape = ModelShape(params=int(total), hidden_size=int(h), num_layers=int(layers), kv_size=int(kv))
+    return dataclasses.replace(shape, linears=_layer_linears(cfg.get("model_type"), h, heads * head_dim, kv, inter))
+
+
+def _layer_linears(model_type: str | None, h: int, q: int, kv: int, inter: int) -> tuple[LinearShape, ...]:
+    if model_type == "gpt2":
+        # Conv1D, not nn.Linear: peft adapts them, quantize_frozen_ leaves them in bf16. q/k/v are one fused module.
+        return (
+            LinearShape("c_attn", 3 * h, h, ("q", "k", "v"), quantizable=False),
+            LinearShape("attn.c_proj", h, h, ("o",), quantizable=False),
+            LinearShape("c_fc", inter, h, ("up",), quantizable=False),
+            LinearShape("mlp.c_proj", h, inter, ("down",), quantizable=False),
+        )
+    attn = (
+        LinearShape("q_proj", q, h, ("q",)),
+        LinearShape("k_proj", kv, h, ("k",)),
+        LinearShape("v_proj", kv, h, ("v",)),
+        LinearShape("o_proj", h, q, ("o",)),
+    )
+    if model_type in ("gpt_neox", "opt", "bloom", "falcon", "phi"):
+        return (*attn, LinearShape("fc_in", inter, h, ("up",)), LinearShape("fc_out", h, inter, ("down",)))
+    return (
+        *attn,
+        LinearShape("gate_proj", inter, h, ("gate",)),
+        LinearShape("up_proj", inter, h, ("up",)),
+        LinearShape("down_proj", h, inter, ("down",)),
+    )
 
 
 def load_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -139,6 +297,8 @@ def estimate(
     nodes: int = 1,
     lora_rank: int | None = None,
     frozen_format: str = "bf16",
+    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+    frozen_group_size: int | None = None,
 ) -> dict[str, Any]:
     """The per-rank model-state bytes of stages 0–3, plus the LoRA variant when a rank is given.
 
@@ -146,15 +306,17 @@ def estimate(
         shape: parameter count (and layer shape for LoRA).
         world_size: total ranks N.
         nodes: nodes the ranks span (reported; the formulas depend on N only).
-        lora_rank: LoRA rank r; trainable = the adapters, frozen = the base weights in `frozen_format`.
-        frozen_format: storage format of frozen base weights: one of FROZEN_FORMAT_BYTES.
+        lora_rank: LoRA rank r; trainable = the adapters, frozen = the base model, stored as `frozen_format`.
+        frozen_format: storage format of the frozen Linear weights: one of FROZEN_FORMATS.
+        lora_targets: the projections LoRA adapts (see `lora_params`).
+        frozen_group_size: elements per scale of int8/int4/nf4; default DEFAULT_GROUP_SIZE (capped at the row).
     """
     if world_size < 1:
         raise ValueError(f"--world-size {world_size} must be at least 1")
     if nodes < 1 or world_size % nodes:
         raise ValueError(f"--nodes {nodes} must divide --world-size {world_size}")
-    if frozen_format not in FROZEN_FORMAT_BYTES:
-        raise ValueError(f"--frozen-format {frozen_format!r} is not one of {', '.join(FROZEN_FORMAT_BYTES)}")
+    if frozen_format not in FROZEN_FORMATS:
+        raise ValueError(f"--frozen-format {frozen_format!r} is not one of {', '.join(FROZEN_FORMATS)}")
     out: dict[str, Any] = {
         "params": shape.params,
         "world_size": world_size,
@@ -165,19 +327,27 @@ def estimate(
     if lora_rank is not None:
         if lora_rank < 1:
             raise ValueError(f"--lora-rank {lora_rank} must be at least 1")
-        trainable = lora_params(shape, lora_rank)
-        frozen = shape.params
+        trainable = lora_params(shape, lora_rank, lora_targets)
+        frozen = frozen_base_bytes(shape, frozen_format, frozen_group_size)
         out["lora"] = {
             "rank": lora_rank,
+            "targets": list(lora_targets),
             "frozen_format": frozen_format,
+            "frozen_group_size": (frozen_group_size or DEFAULT_GROUP_SIZE[frozen_format])
+            if frozen_format in QUANTIZED_FORMATS
+            else None,
             "trainable_params": trainable,
-            "frozen_params": frozen,
+            "frozen_params": shape.params,
+            "frozen_bytes": frozen["bytes"],
+            "frozen_linear_bytes": frozen["linear_bytes"],
+            "frozen_accounting": (
+                "per layer: decoder Linear weights in the format (codes + scales), other parameters bf16"
+                if frozen["exact"]
+                else "approximate: every frozen parameter in the format (embeddings really stay bf16; "
+                "give --model-config for per-layer bytes)"
+            ),
             "stages": {
-                str(s): math.ceil(
-                    zero_model_state_bytes(trainable, world_size, s)
-                    + frozen_state_bytes(frozen, world_size, s, frozen_format)
-                )
-                for s in range(4)
+                str(s): math.ceil(lora_model_state_bytes(trainable, frozen["bytes"], world_size, s)) for s in range(4)
             },
         }
     return out
@@ -201,8 +371,9 @@ def format_table(result: Mapping[str, Any]) -> str:
         lines.append("")
         lines.append(
             f"LoRA rank {lo['rank']}: {lo['trainable_params']:,} trainable adapter params; "
-            f"{lo['frozen_params']:,} frozen params stored as {lo['frozen_format']}"
+            f"{lo['frozen_params']:,} frozen params, Linear weights stored as {lo['frozen_format']}"
         )
+        lines.append(f"frozen accounting: {lo['frozen_accounting']}")
     return "\n".join(lines)
 
 

@@ -3,19 +3,16 @@
 Each stage trains the same bf16 GPT-2 with AdamW for a few steps on N gloo ranks. On the last step the
 model states are counted at several points ("probes"); the one compared with the ZeRO formula is
 `after_backward`: all gradients exist, the optimizer state exists, nothing has been freed by the step yet.
-
-What is counted: the storage bytes (`untyped_storage().nbytes()`, each storage once, so views and aliases
-are not double counted; a DTensor counts its local shard) of every
-- compute_params: the bf16 weights forward and backward use (stages 0/1: the model's own parameters;
-  stages 2/3: FSDP2's all-gathered unsharded parameters, while their storage is allocated);
-- master_params: the fp32 master weights (stages 0/1: the engine's master DTensors; 2/3: FSDP2's sharded
-  parameters, padding included);
-- grads: every `.grad` of those, FSDP2's unsharded and accumulated gradients, the engine's accumulation buffers;
-- optimizer_state: every tensor in `optimizer.state` (AdamW's exp_avg, exp_avg_sq, step).
-Activations, communication buffers, autograd's internal buffers and process RSS are not model states.
+What is counted is described in `ds_plugin.bench._model_states` (storage bytes, each storage once).
 
 The formula (ZeRO paper, Rajbhandari et al. 2020, section 5) assumes 2Ψ bf16 weights + 2Ψ bf16 grads + 12Ψ fp32 master
 and Adam moments per rank, divided by N where the stage shards them.
+
+The LoRA case trains the same GPT-2 with peft LoRA (rank 16 on the attention projections `attn.c_attn`, the
+fused q/k/v, and `attn.c_proj`, the output) and everything else frozen, at the same stages. Frozen parameters
+are counted apart ("frozen_params") and compared with their storage alone: 2 bytes per element in bf16, whole
+at stages 0–1, divided by N at stages 2–3 (FSDP2 shards every parameter); the adapters follow the 16Ψ formula.
+An fp32 master, a gradient or optimizer state for a frozen parameter would show as 4–14 bytes more per element.
 """
 
 from __future__ import annotations
@@ -25,27 +22,30 @@ import datetime
 import gc
 import json
 import math
-import os
 import platform
-import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ds_plugin.estimate import zero_model_state_bytes
+from ds_plugin.bench._model_states import CATEGORIES, COLORS, FROZEN_CATEGORIES, Ledger, Recorder, source_revision
+from ds_plugin.estimate import lora_model_state_bytes, zero_model_state_bytes
 from ds_plugin.launch import run_ranks
 
-__all__ = ["CATEGORIES", "count_model_states", "main", "run", "source_revision"]
+__all__ = ["CATEGORIES", "FROZEN_CATEGORIES", "Ledger", "main", "run", "source_revision"]
 
-CATEGORIES = ("compute_params", "master_params", "grads", "optimizer_state")
 # In step order. "backward" is the largest count seen as each compute parameter's gradient lands;
 # "after_reduce" (stages 0/1) is the moment the gradients have been reduced into the masters.
 PROBES = ("after_forward", "backward", "after_backward", "after_reduce", "in_step")
 MEASURED_AT = "after_backward"
 
 FORMULA = "2Ψ bf16 weights + 2Ψ bf16 grads + 12Ψ fp32 master weights and Adam moments (4Ψ + 4Ψ + 4Ψ)"
+LORA_RANK = 16
+# GPT-2's attention projections: c_attn is q, k and v fused, attn.c_proj is o (mlp.c_proj is left frozen).
+LORA_TARGETS = ("attn.c_attn", "attn.c_proj")
+LORA_FORMULA = (
+    "frozen Ψf: 2 bytes each (bf16), whole at stages 0-1, /N at 2-3; trainable adapters Ψt: the ZeRO formula "
+    "(2Ψt + 2Ψt + 12Ψt, sharded by stage)"
+)
 
 # Why each stage's count differs from its formula at `after_backward`; the numbers are in the breakdown.
 EXPLAIN = {
@@ -75,161 +75,7 @@ EXPLAIN = {
 }
 
 
-def source_revision() -> dict[str, Any]:
-    """The git commit the package ran from, and which engine files differed from it (benchmark provenance)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--", "ds_plugin/zero", "ds_plugin/precision").splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None}
-    return {"commit": commit or None, "engine_files_modified": [line[3:] for line in modified]}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class _Ledger:
-    """Storage bytes by category; a storage is counted once, in the first category that reaches it."""
-
-    def __init__(self) -> None:
-        self.bytes = dict.fromkeys(CATEGORIES, 0)
-        self.dtypes: dict[str, set[str]] = {c: set() for c in CATEGORIES}
-        self._seen: set[int] = set()
-
-    def add(self, category: str, tensor: torch.Tensor | None) -> None:
-        if tensor is None:
-            return
-        local = _local(tensor)
-        storage = local.untyped_storage()
-        # FSDP2 frees unsharded parameters by resizing their storage to 0: nothing held, nothing counted.
-        if storage.nbytes() == 0 or storage.data_ptr() in self._seen:
-            return
-        self._seen.add(storage.data_ptr())
-        self.bytes[category] += storage.nbytes()
-        self.dtypes[category].add(str(local.dtype).removeprefix("torch."))
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "bytes": sum(self.bytes.values()),
-            "breakdown": dict(self.bytes),
-            "dtypes": {c: sorted(d) for c, d in self.dtypes.items()},
-        }
-
-
-def _fsdp_params(module: torch.nn.Module) -> Iterator[Any]:
-    # FSDP2's per-parameter records; private API (torch 2.9–2.13), read only.
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        state = m._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [group] if group is not None else []
-        for group in groups:
-            yield from group.fsdp_params
-
-
-def count_model_states(engine: Any) -> dict[str, Any]:
-    """Model-state storage bytes this rank holds now, by category (see the module docstring).
-
-    Args:
-        engine: a `ZeroEngine` (any stage).
-    """
-    from ds_plugin.zero.stage1 import replicated_state
-
-    ledger = _Ledger()
-    replicated = replicated_state(engine.module)
-    if replicated is not None:
-        for p in replicated.params:
-            ledger.add("compute_params", p)
-        for m in replicated.masters:
-            ledger.add("master_params", m)
-        for t in [p.grad for p in replicated.params] + list(replicated._accum.values()):
-            ledger.add("grads", t)
-        for m in replicated.masters:
-            ledger.add("grads", m.grad)
-    else:
-        for fp in _fsdp_params(engine.module):
-            for t in [*fp.all_gather_outputs, *getattr(fp, "_unsharded_inner_tensors", ())]:
-                ledger.add("compute_params", t)
-            ledger.add("compute_params", getattr(fp, "_sharded_post_forward_param_data", None))  # hpZ
-            ledger.add("master_params", fp.sharded_param)
-            ledger.add("grads", fp.sharded_param.grad)
-            unsharded = getattr(fp, "_unsharded_param", None)
-            ledger.add("grads", None if unsharded is None else unsharded.grad)
-            ledger.add("grads", getattr(fp, "unsharded_accumulated_grad", None))
-    # Anything the walks above missed (parameters outside FSDP2's groups, say) still counts.
-    for p in engine.module.parameters():
-        ledger.add("master_params" if p.dtype == torch.float32 else "compute_params", p)
-        ledger.add("grads", p.grad)
-    if engine.optimizer is not None:
-        for state in engine.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    ledger.add("optimizer_state", value)
-    return ledger.snapshot()
-
-
-class _Recorder:
-    """Counts model states at named points of one training step, keeping the largest count per point."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.probes: dict[str, dict[str, Any]] = {}
-        self._handles: list[Any] = []
-        self._restore: list[Any] = []
-
-    def probe(self, name: str) -> None:
-        snap = count_model_states(self.engine)
-        if name not in self.probes or snap["bytes"] > self.probes[name]["bytes"]:
-            self.probes[name] = snap
-
-    def arm(self) -> None:
-        """Hook the backward and the step of the next training step."""
-        from ds_plugin.zero.stage1 import replicated_state
-
-        replicated = replicated_state(self.engine.module)
-        if replicated is not None:
-            compute = list(replicated.params)
-            # reduce_gradients() ends by dropping the compute gradients: just before that, the reduced fp32
-            # master gradients and the bf16 compute gradients are both alive. Wrapped on the instance only.
-            original = replicated.zero_compute_grads
-
-            def zero_compute_grads() -> None:
-                self.probe("after_reduce")
-                original()
-
-            replicated.zero_compute_grads = zero_compute_grads
-            self._restore.append(lambda: delattr(replicated, "zero_compute_grads"))
-        else:
-            # FSDP2 keeps one unsharded Parameter per parameter across steps, created at the first all-gather.
-            compute = [
-                fp._unsharded_param for fp in _fsdp_params(self.engine.module) if hasattr(fp, "_unsharded_param")
-            ]
-        for p in compute:
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p: self.probe("backward")))
-        self._handles.append(self.engine.optimizer.register_step_pre_hook(lambda *_: self.probe("in_step")))
-
-    def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        for restore in self._restore:
-            restore()
-        self._handles.clear()
-        self._restore.clear()
-
-
-def _model(n_layer: int, n_embd: int, vocab: int, seq: int) -> torch.nn.Module:
+def _model(n_layer: int, n_embd: int, vocab: int, seq: int, *, lora: bool = False) -> torch.nn.Module:
     import warnings
 
     import transformers
@@ -239,49 +85,83 @@ def _model(n_layer: int, n_embd: int, vocab: int, seq: int) -> torch.nn.Module:
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = dict(n_layer=n_layer, n_embd=n_embd, n_head=8, vocab_size=vocab, n_positions=seq)
-    return GPT2LMHeadModel(GPT2Config(**cfg, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(GPT2Config(**cfg, bos_token_id=0, eos_token_id=0))
+    if not lora:
+        return model
+    import peft
+
+    # fan_in_fan_out: GPT-2's projections are Conv1D, whose weight is (in, out).
+    lora_cfg = peft.LoraConfig(
+        r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=list(LORA_TARGETS), fan_in_fan_out=True
+    )
+    return peft.get_peft_model(model, lora_cfg)
+
+
+def _train_and_probe(engine: Any, rank: int, *, vocab: int, seq: int, batch: int, steps: int, lora: bool) -> Any:
+    recorder = Recorder(engine, split_frozen=lora)
+    gen = torch.Generator().manual_seed(rank)
+    # The first step creates the AdamW state; the last one is measured with every model state alive.
+    for step in range(steps):
+        last = step == steps - 1
+        x = torch.randint(0, vocab, (batch, seq), generator=gen)
+        loss = engine(input_ids=x, labels=x).loss
+        if last:
+            recorder.probe("after_forward")
+            recorder.arm()
+        engine.backward(loss)
+        if last:
+            recorder.probe("after_backward")
+        engine.step()
+    recorder.disarm()
+    return recorder.probes
 
 
 def _rank_worker(
-    rank: int, world: int, *, stages: list[int], n_layer: int, n_embd: int, vocab: int, seq: int, batch: int, steps: int
+    rank: int,
+    world: int,
+    *,
+    stages: list[int],
+    lora_stages: list[int],
+    n_layer: int,
+    n_embd: int,
+    vocab: int,
+    seq: int,
+    batch: int,
+    steps: int,
 ) -> dict[str, Any]:
     import ds_plugin
 
-    out: dict[str, Any] = {"stages": {}}
-    for stage in stages:
-        model = _model(n_layer, n_embd, vocab, seq)
-        out["params"] = sum(p.numel() for p in model.parameters())
-        cfg = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "gradient_clipping": 0.0}
-        engine = ds_plugin.initialize(model, cfg, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
-        recorder = _Recorder(engine)
-        gen = torch.Generator().manual_seed(rank)
-        # The first step creates the AdamW state; the last one is measured with every model state alive.
-        for step in range(steps):
-            last = step == steps - 1
-            x = torch.randint(0, vocab, (batch, seq), generator=gen)
-            loss = engine(x, labels=x).loss
-            if last:
-                recorder.probe("after_forward")
-                recorder.arm()
-            engine.backward(loss)
-            if last:
-                recorder.probe("after_backward")
-            engine.step()
-        recorder.disarm()
-        out["stages"][str(stage)] = recorder.probes
-        del engine, model, recorder
-        gc.collect()
+    out: dict[str, Any] = {"stages": {}, "lora": {}}
+    for lora, todo in ((False, stages), (True, lora_stages)):
+        for stage in todo:
+            model = _model(n_layer, n_embd, vocab, seq, lora=lora)
+            if lora:
+                out["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                out["frozen_params"] = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+            else:
+                out["params"] = sum(p.numel() for p in model.parameters())
+            cfg = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "gradient_clipping": 0.0}
+            engine = ds_plugin.initialize(model, cfg, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+            probes = _train_and_probe(engine, rank, vocab=vocab, seq=seq, batch=batch, steps=steps, lora=lora)
+            out["lora" if lora else "stages"][str(stage)] = probes
+            del engine, model
+            gc.collect()
     return out
+
+
+def _max_probes(per_rank: list[dict[str, Any]], key: str, stage: int) -> dict[str, dict[str, Any]]:
+    # Shards can be uneven: report each probe from the rank that holds the most.
+    probes = {}
+    for name in PROBES:
+        snaps = [r[key][str(stage)][name] for r in per_rank if name in r[key][str(stage)]]
+        if snaps:
+            probes[name] = max(snaps, key=lambda s: s["bytes"])
+    return probes
 
 
 def _stage_report(stage: int, per_rank: list[dict[str, Any]], params: int, world: int) -> dict[str, Any]:
     formula = math.ceil(zero_model_state_bytes(params, world, stage))
-    # Shards can be uneven: report each probe from the rank that holds the most.
-    probes = {}
-    for name in PROBES:
-        snaps = [r["stages"][str(stage)][name] for r in per_rank if name in r["stages"][str(stage)]]
-        if snaps:
-            probes[name] = max(snaps, key=lambda s: s["bytes"])
+    probes = _max_probes(per_rank, "stages", stage)
     at = probes[MEASURED_AT]
     peak_name = max(probes, key=lambda n: probes[n]["bytes"])
     return {
@@ -303,6 +183,33 @@ def _stage_report(stage: int, per_rank: list[dict[str, Any]], params: int, world
     }
 
 
+def _lora_stage_report(stage: int, per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    trainable, frozen = per_rank[0]["trainable_params"], per_rank[0]["frozen_params"]
+    probes = _max_probes(per_rank, "lora", stage)
+    at = probes[MEASURED_AT]
+    formula = math.ceil(lora_model_state_bytes(trainable, 2 * frozen, world, stage))
+    others = at["bytes"] - at["breakdown"]["frozen_params"]
+    shards = world if stage >= 2 else 1
+    return {
+        "measured_bytes": at["bytes"],
+        "formula_bytes": formula,
+        "ratio": round(at["bytes"] / formula, 4),
+        "measured_at": MEASURED_AT,
+        "breakdown": at["breakdown"],
+        "frozen": {
+            "measured_bytes": at["breakdown"]["frozen_params"],
+            "formula_bytes": math.ceil(2 * frozen / shards),
+            "bytes_per_frozen_param": round(at["breakdown"]["frozen_params"] * shards / frozen, 4),
+        },
+        "trainable": {
+            "measured_bytes": others,
+            "formula_bytes": math.ceil(zero_model_state_bytes(trainable, world, stage)),
+        },
+        "dtypes": at["dtypes"],
+        "probes": {n: {"bytes": s["bytes"], "breakdown": s["breakdown"]} for n, s in probes.items()},
+    }
+
+
 def run(
     world_size: int = 4,
     *,
@@ -313,6 +220,7 @@ def run(
     batch: int = 1,
     steps: int = 2,
     stages: tuple[int, ...] = (0, 1, 2, 3),
+    lora_stages: tuple[int, ...] | None = None,
     timeout: float = 600,
 ) -> dict[str, Any]:
     """Measure every stage on `world_size` ranks and return the report dict.
@@ -325,16 +233,19 @@ def run(
         seq: tokens per sample.
         batch: samples per rank per step.
         steps: training steps per stage (at least 2: the last is measured once AdamW has its state).
-        stages: ZeRO stages to measure.
+        stages: ZeRO stages to measure with every parameter trained.
+        lora_stages: ZeRO stages to measure the LoRA case at; default `stages`, () for none.
         timeout: seconds for the whole run.
     """
     if steps < 2:
         raise ValueError(f"steps={steps}: need 2 or more, the measured step must find the optimizer state built")
+    lora_stages = stages if lora_stages is None else lora_stages
     per_rank = run_ranks(
         _rank_worker,
         world_size,
         timeout=timeout,
         stages=list(stages),
+        lora_stages=list(lora_stages),
         n_layer=n_layer,
         n_embd=n_embd,
         vocab=vocab,
@@ -342,11 +253,12 @@ def run(
         batch=batch,
         steps=steps,
     )
-    params = per_rank[0]["params"]
-    return {
+    params = per_rank[0].get("params", per_rank[0].get("frozen_params"))
+    model = f"GPT2(n_layer={n_layer}, n_embd={n_embd}, vocab={vocab}, tied embeddings), seq={seq}, batch={batch}"
+    report: dict[str, Any] = {
         "world_size": world_size,
         "params": params,
-        "model": f"GPT2(n_layer={n_layer}, n_embd={n_embd}, vocab={vocab}, tied embeddings), seq={seq}, batch={batch}",
+        "model": model,
         "dtype": "bf16 mixed precision (bf16 compute and reduce, fp32 masters), AdamW",
         "formula": FORMULA,
         "counted": (
@@ -362,15 +274,54 @@ def run(
             "in_step": "optimizer.step about to run",
         },
         "stages": {str(s): _stage_report(s, per_rank, params, world_size) for s in stages},
-        "ds_plugin": source_revision(),
-        "torch": torch.__version__,
-        "machine": platform.platform(),
-        "date": datetime.date.today().isoformat(),
     }
+    if lora_stages:
+        report["lora"] = {
+            "model": f"{model}; peft LoRA r={LORA_RANK} on {', '.join(LORA_TARGETS)}, every other parameter frozen",
+            "rank": LORA_RANK,
+            "targets": list(LORA_TARGETS),
+            "trainable_params": per_rank[0]["trainable_params"],
+            "frozen_params": per_rank[0]["frozen_params"],
+            "formula": LORA_FORMULA,
+            "counted": (
+                "as above, with every requires_grad=False parameter's storage counted first, as frozen_params "
+                "(bytes_per_frozen_param: frozen bytes per element, times N at stages 2-3)"
+            ),
+            "stages": {str(s): _lora_stage_report(s, per_rank, world_size) for s in lora_stages},
+        }
+    report.update(
+        {
+            "ds_plugin": source_revision(),
+            "torch": torch.__version__,
+            "machine": platform.platform(),
+            "date": datetime.date.today().isoformat(),
+        }
+    )
+    return report
+
+
+def _stacked(ax: Any, section: dict[str, Any], categories: tuple[str, ...], title: str) -> None:
+    stages = list(section)
+    mib = 1 << 20
+    xs = list(range(len(stages)))
+    bottom = [0.0] * len(stages)
+    for cat in categories:
+        vals = [section[s]["breakdown"][cat] / mib for s in stages]
+        ax.bar([x - 0.2 for x in xs], vals, 0.4, bottom=bottom, color=COLORS[cat], label=f"measured: {cat}")
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    formula = [section[s]["formula_bytes"] / mib for s in stages]
+    ax.bar([x + 0.2 for x in xs], formula, 0.4, color="lightgray", edgecolor="black", label="formula")
+    if all("peak" in section[s] for s in stages):
+        peak = [section[s]["peak"]["bytes"] / mib for s in stages]
+        ax.scatter([x - 0.2 for x in xs], peak, marker="_", s=400, color="black", label="peak over probes", zorder=3)
+    ax.set_xticks(xs, [f"stage {s}" for s in stages])
+    ax.set_ylabel("model-state MiB per rank")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
 
 
 def draw(report: dict[str, Any], path: str) -> None:
-    """Bar chart: measured bytes by category (stacked) next to the formula, per stage.
+    """Bar charts: measured bytes by category (stacked) next to the formula, per stage; the LoRA case beside.
 
     Args:
         report: what `run` returned.
@@ -381,23 +332,17 @@ def draw(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = list(report["stages"])
-    mib = 1 << 20
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bottom = [0.0] * len(stages)
-    xs = list(range(len(stages)))
-    for cat in CATEGORIES:
-        vals = [report["stages"][s]["breakdown"][cat] / mib for s in stages]
-        ax.bar([x - 0.2 for x in xs], vals, 0.4, bottom=bottom, label=f"measured: {cat}")
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    formula = [report["stages"][s]["formula_bytes"] / mib for s in stages]
-    peak = [report["stages"][s]["peak"]["bytes"] / mib for s in stages]
-    ax.bar([x + 0.2 for x in xs], formula, 0.4, color="lightgray", edgecolor="black", label="ZeRO formula")
-    ax.scatter([x - 0.2 for x in xs], peak, marker="_", s=400, color="black", label="peak over the probes", zorder=3)
-    ax.set_xticks(xs, [f"stage {s}" for s in stages])
-    ax.set_ylabel("model-state MiB per rank")
-    ax.set_title(f"ZeRO model states, {report['params'] / 1e6:.1f}M params, {report['world_size']} ranks, bf16 AdamW")
-    ax.legend(fontsize=8)
+    lora = report.get("lora")
+    fig, axes = plt.subplots(1, 2 if lora else 1, figsize=(14 if lora else 8, 4.5), squeeze=False)
+    n = report["world_size"]
+    title = f"ZeRO model states, {report['params'] / 1e6:.1f}M params, {n} ranks, bf16 AdamW"
+    _stacked(axes[0][0], report["stages"], CATEGORIES, title)
+    if lora:
+        title = (
+            f"LoRA r={lora['rank']}: {lora['trainable_params'] / 1e6:.2f}M trainable, "
+            f"{lora['frozen_params'] / 1e6:.1f}M frozen (bf16), {n} ranks"
+        )
+        _stacked(axes[0][1], lora["stages"], FROZEN_CATEGORIES, title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -413,6 +358,19 @@ def _table(report: dict[str, Any]) -> str:
             f"{s:<6}{r['measured_bytes'] / 2**20:>14.2f}{r['formula_bytes'] / 2**20:>13.2f}{r['ratio']:>8.3f}"
             f"{r['peak']['bytes'] / 2**20:>10.2f}  {r['peak']['at']}"
         )
+    lora = report.get("lora")
+    if lora:
+        lines += [
+            "",
+            f"LoRA r={lora['rank']}: {lora['trainable_params']:,} trainable, {lora['frozen_params']:,} frozen "
+            f"({lora['formula']})",
+            f"{'stage':<6}{'measured MiB':>14}{'formula MiB':>13}{'ratio':>8}{'frozen MiB':>12}{'B/frozen elt':>14}",
+        ]
+        for s, r in lora["stages"].items():
+            lines.append(
+                f"{s:<6}{r['measured_bytes'] / 2**20:>14.2f}{r['formula_bytes'] / 2**20:>13.2f}{r['ratio']:>8.3f}"
+                f"{r['frozen']['measured_bytes'] / 2**20:>12.2f}{r['frozen']['bytes_per_frozen_param']:>14.3f}"
+            )
     return "\n".join(lines)
 
 
@@ -427,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--no-lora", action="store_true", help="skip the LoRA case")
     parser.add_argument("--out", help="also write the JSON report to this file")
     parser.add_argument("--png", help="also draw the chart to this PNG file (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -438,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         seq=args.seq,
         batch=args.batch,
         steps=args.steps,
+        lora_stages=() if args.no_lora else None,
     )
     text = json.dumps(report, indent=2)
     if args.out:

@@ -168,6 +168,7 @@ def quantize_frozen_(
     group_size: int | None = None,
     filter_fn: FilterFn | None = None,
     method: str = "default",
+    process_group: Any = None,
 ) -> nn.Module:
     """Store the weights of ``model``'s frozen ``nn.Linear`` layers in ``fmt``, in place; returns the model.
 
@@ -182,6 +183,8 @@ def quantize_frozen_(
         filter_fn: ``(module, name) -> bool`` choosing which ``nn.Linear`` layers to convert, replacing the
             default (frozen, not the output head, not a module peft added).
         method: the format's quantization method ("absmax" for plain INT4 scales; see ``quantize_weight``).
+        process_group: ranks that hold the same model (``apply_zero`` passes its mesh's): each quantizes a share
+            of every weight's rows and they exchange the codes, so the conversion costs 1/world per rank.
 
     Raises:
         ValueError: an unknown format, "fp6", a chosen weight that is trainable, on the meta device, or whose
@@ -218,7 +221,7 @@ def quantize_frozen_(
         w = module.weight
         if id(w) not in done:
             g = default_group_size(fmt, w.shape[1]) if group_size is None else group_size
-            q = QuantizedWeight.from_float(w, fmt, g, method=method, stats=stats)
+            q = QuantizedWeight.from_float(w, fmt, g, method=method, stats=stats, process_group=process_group)
             done[id(w)] = nn.Parameter(q, requires_grad=False)
             before += w.numel() * w.element_size()
             after += q.nbytes_stored()

@@ -75,12 +75,12 @@ _ZERO_STEPS = 16  # int4 zero points are stored in 1/16 of a code step: 255/16 c
 _INT4_TOP = 15
 # Clipping ratios tried for each end of a group's range (81 pairs, 1.0 down to 0.6): a 2-D grid finds skewed optima
 # that one shared ratio misses. Measured on Gaussian and Student-t(3) weights at g = 64: 6-8% lower MSE than a 1-D
-# grid of 7, 2% lower than a 5 x 5 grid; ~15-20 s per 100M weights on one or two cores.
+# grid of 7, 1.5-2% lower than a 5 x 5 grid. ~15 s per 100M weights on one core, ~9 s on two.
 _CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(9))
 _LSQ_STEPS = 3  # least-squares refits of (scale, offset) after the grid; later steps gain < 0.5% MSE
 _SCALE_REFITS = 2  # refits of the scale alone once the zero point is rounded to its 8-bit grid
-# Rows per pass: ~1 MB of fp32 temporaries. The grid search reuses two buffers because, measured, allocating a fresh
-# 1 MB temporary per op (mapped and page-faulted anew each time) made it ~10x slower.
+# Rows per pass: ~1 MB of fp32 per temporary (the grid search's two reused buffers hold 9 candidates each). Measured,
+# allocating a fresh 1 MB temporary per op (mapped and page-faulted anew each time) made the search ~10x slower.
 _CHUNK_ELEMENTS = 1 << 18
 
 
@@ -256,25 +256,29 @@ def _int4_search(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     tiny = torch.finfo(torch.float32).tiny
     lo = blocks.amin(dim=-1, keepdim=True).clamp(max=0)
     hi = blocks.amax(dim=-1, keepdim=True).clamp(min=0)
+    # All high-end ratios at once, one low-end ratio per pass: a leading candidate dim makes each op 9x larger, so
+    # there are 9x fewer parallel regions, whose barriers dominate when other processes share the cores.
+    r_hi = torch.tensor(_CLIP_RATIOS, dtype=blocks.dtype, device=blocks.device).view(-1, 1, 1, 1) / _INT4_TOP
+    t = torch.empty((len(_CLIP_RATIOS), *blocks.shape), dtype=blocks.dtype, device=blocks.device)
+    r = torch.empty_like(t)
     best_err = best_s = best_m = None
-    t, r = torch.empty_like(blocks), torch.empty_like(blocks)
     for r_lo in _CLIP_RATIOS:
-        for r_hi in _CLIP_RATIOS:
-            # Divide each end before subtracting so the span cannot overflow near fp32's max.
-            s = (hi * (r_hi / _INT4_TOP) - lo * (r_lo / _INT4_TOP)).clamp(min=tiny)
-            m = lo * r_lo
-            inv = 1.0 / s
-            # x / s - m / s as one fused pass into reused buffers: five passes and no allocation per candidate.
-            torch.addcmul(-m * inv, blocks, inv, out=t)
-            t.sub_(torch.round(t, out=r).clamp_(0, _INT4_TOP))
-            # The root of the squared error (in x units), so huge weights cannot overflow the comparison.
-            err = torch.linalg.vector_norm(t, dim=-1, keepdim=True) * s
-            if best_err is None:
-                best_err, best_s, best_m = err, s, m
-            else:
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+        # Divide each end before subtracting so the span cannot overflow near fp32's max.
+        s = (hi * r_hi - lo * (r_lo / _INT4_TOP)).clamp(min=tiny)
+        m = (lo * r_lo).expand_as(s)
+        inv = 1.0 / s
+        # x / s - m / s as one fused pass into reused buffers: five passes per 9 candidates, no large allocation.
+        torch.addcmul(-m * inv, blocks, inv, out=t)
+        t.sub_(torch.round(t, out=r).clamp_(0, _INT4_TOP))
+        # The root of the squared error (in x units), so huge weights cannot overflow the comparison.
+        err, pick = (torch.linalg.vector_norm(t, dim=-1, keepdim=True) * s).min(dim=0)
+        s, m = s.gather(0, pick[None]).squeeze(0), m.gather(0, pick[None]).squeeze(0)
+        if best_err is None:
+            best_err, best_s, best_m = err, s, m
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
     s, m = best_s, best_m
     n = blocks.shape[-1]
     sum_x = blocks.sum(dim=-1, keepdim=True)
@@ -285,8 +289,9 @@ def _int4_search(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         det = n * sum_qq - sum_q.square()
         fit_s = (n * sum_qx - sum_q * sum_x) / torch.where(det > 0, det, 1.0)
         # det == 0: all codes equal (a constant group), the fit is undetermined; keep the grid's choice.
-        ok = (det > 0) & (fit_s >= tiny) & torch.isfinite(fit_s)
-        s, m = torch.where(ok, fit_s, s), torch.where(ok, (sum_x - fit_s * sum_q) / n, m)
+        fit_m = (sum_x - fit_s * sum_q) / n
+        ok = (det > 0) & (fit_s >= tiny) & torch.isfinite(fit_s) & torch.isfinite(fit_m)
+        s, m = torch.where(ok, fit_s, s), torch.where(ok, fit_m, m)
     zeros = (-m / s * _ZERO_STEPS).round().clamp(0, 255)
     z = zeros / _ZERO_STEPS
     s = _to_bf16(s)
@@ -315,7 +320,8 @@ def _quantize_nf4(blocks: Tensor, double_quant: bool) -> dict[str, Tensor]:
     # Rows' group absmaxes as int8 around the row's mean (a per-row analogue of bitsandbytes' nested quantization,
     # so the row contract holds). The codes are then chosen against the absmax the dequantizer will rebuild, which
     # makes each element the nearest level of the grid it is actually stored on.
-    offset = absmax.mean(dim=-1, keepdim=True)
+    # The mean in fp64: an fp32 sum of huge absmaxes could overflow.
+    offset = absmax.double().mean(dim=-1, keepdim=True).float()
     absmax_codes, absmax_scale = quantize_blocks(
         (absmax - offset)[:, None, :], 8, scale_cap(8, torch.float32), torch.float32
     )

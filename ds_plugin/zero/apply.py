@@ -116,7 +116,7 @@ def has_fp8_layers(model: nn.Module) -> bool:
     return any(isinstance(m, Fp8Linear) for m in model.modules())
 
 
-def _convert_layers(model: nn.Module, plan: ZeroPlan) -> None:
+def _convert_layers(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh) -> None:
     # FP8 layers and frozen-weight storage. FP8 conversion keeps the trainable parameter objects, so an optimizer
     # built on the model before setup still maps onto them; frozen weights have no optimizer state to keep.
     if plan.fp8 is not None and not has_fp8_layers(model):
@@ -131,7 +131,9 @@ def _convert_layers(model: nn.Module, plan: ZeroPlan) -> None:
             logger.info("frozen weights already quantized by the caller; frozen_format is not applied again")
             return
         try:
-            quantize_frozen_(model, plan.frozen_format, group_size=plan.frozen_group_size)
+            # Every rank holds the same weights here (broadcast above): each quantizes a share of the rows.
+            group = mesh.get_group() if mesh.size() > 1 else None
+            quantize_frozen_(model, plan.frozen_format, group_size=plan.frozen_group_size, process_group=group)
         except ValueError as e:
             raise ZeroSetupError(f"zero_optimization.frozen_format: {e}") from None
 
@@ -283,7 +285,7 @@ def apply_zero(
     # A meta-device model has nothing to send: `materialize_` initialises it the same on every rank.
     if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):
         broadcast_module_states(model, mesh)
-    _convert_layers(model, plan)
+    _convert_layers(model, plan, mesh)
     _store_parameters(model, torch_dtype(plan.compute_dtype))
     if plan.stage >= 2:
         _check_quantized_shards(model, plan, mesh)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_plugin.bench.zero_memory import CATEGORIES, _Ledger, run
+from ds_plugin.bench.zero_memory import CATEGORIES, FROZEN_CATEGORIES, Ledger, run
 
 WORLD = 2
 
@@ -16,7 +16,7 @@ def report():
 
 
 def test_ledger_counts_each_storage_once():
-    ledger = _Ledger()
+    ledger = Ledger()
     base = torch.zeros(10, 4)
     ledger.add("compute_params", base)
     ledger.add("grads", base[2:5])  # a view: same storage
@@ -59,3 +59,25 @@ def test_each_stage_holds_less(report):
     assert forward["2"]["breakdown"]["compute_params"] == 2 * report["params"]
     assert forward["3"]["breakdown"]["compute_params"] < 0.5 * forward["2"]["breakdown"]["compute_params"]
     assert forward["0"]["bytes"] > forward["1"]["bytes"] >= forward["2"]["bytes"] > forward["3"]["bytes"]
+
+
+@pytest.mark.timeout(300)
+def test_lora_frozen_parameters_cost_their_bf16_storage_only(report):
+    lora = report["lora"]
+    psi_t, psi_f = lora["trainable_params"], lora["frozen_params"]
+    assert 0 < psi_t < 0.1 * psi_f
+    for stage, r in lora["stages"].items():
+        assert set(r["breakdown"]) == set(FROZEN_CATEGORIES)
+        # Frozen: 2 bytes per element, whole at stages 0-1 and sharded at 2-3 (FSDP2's padding allowed). An fp32
+        # master would make it 4 bytes (or 6 with the bf16 copy), a gradient or Adam state more still.
+        assert r["dtypes"]["frozen_params"] == ["bfloat16"], stage
+        assert 2.0 <= r["frozen"]["bytes_per_frozen_param"] <= 2.02, (stage, r["frozen"])
+        # Everything else is the adapters': no fp32 master, gradient or optimizer state of a frozen weight.
+        sharded = 1 if stage == "0" else WORLD
+        assert r["breakdown"]["master_params"] <= 1.01 * 4 * psi_t / sharded, (stage, r["breakdown"])
+        assert r["breakdown"]["optimizer_state"] <= 1.01 * 8 * psi_t / sharded, (stage, r["breakdown"])
+        grads = 2 * psi_t if stage in "01" else 4 * psi_t / WORLD  # bf16 whole, or fp32 shards (FSDP2)
+        assert r["breakdown"]["grads"] <= 1.01 * grads, (stage, r["breakdown"])
+        # The total: within a few % of the formula (stage 2's adapters hold 16Ψt/N, below the formula's
+        # 2Ψt + 14Ψt/N, as in the full-training case).
+        assert 0.95 <= r["ratio"] <= 1.03, (stage, r["ratio"], r["breakdown"])
