@@ -325,6 +325,10 @@ class TrainingConfig:
         True,
         doc="ds_plugin: training on CPU, glibc malloc keeps freed memory for reuse instead of re-faulting it each step",
     )
+    non_finite_gradients: Literal["error", "skip"] = option(
+        "error",
+        doc="ds_plugin: an inf/nan gradient without fp16 loss scaling stops training (error) or skips the step",
+    )
     ignored: Mapping[str, tuple[Any, str]] = dataclasses.field(
         default_factory=dict, compare=False, metadata={"internal": True, "doc": "keys accepted without effect"}
     )

@@ -66,6 +66,7 @@ ACTS: dict[str, str] = {
     "comms_logger.prof_ops": "zero/comms_logger.py",
     "comms_logger.debug": "zero/comms_logger.py",
     "host_memory_reuse": "zero/apply.py: reuse_freed_host_memory on CPU",
+    "non_finite_gradients": "zero/engine.py: stop or skip at an inf/nan gradient without loss scaling",
 }
 
 

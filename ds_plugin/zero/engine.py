@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -314,6 +315,53 @@ class ZeroEngine:
             if p.grad is not None:
                 (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clamp_(-clip_value, clip_value)
 
+    def _first_non_finite(self) -> str:
+        """The name of the first parameter whose gradient holds an inf/nan, on any rank (a collective)."""
+        names = self._replicated.fqns if self._replicated else [n for n, _ in self.module.named_parameters()]
+        local = next(
+            (
+                name
+                for name, p in zip(names, self._params, strict=True)
+                if p.grad is not None
+                and not torch.isfinite(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).all()
+            ),
+            None,
+        )
+        found: list[str | None] = [None] * self.mesh.size()
+        dist.all_gather_object(found, local, group=self.group)
+        return next((name for name in found if name is not None), "an unnamed parameter")
+
+    def _finite_or_handled(self, norm: torch.Tensor | None) -> bool:
+        """Without a loss scaler: whether this step's gradients are finite; acts on the config when they are not.
+
+        Every rank takes the same decision (the flag is all-reduced), so none waits on a collective the others
+        skipped. "error" raises before the optimizer touches the weights; "skip" drops the step and counts it.
+
+        Args:
+            norm: this step's global gradient norm when clipping computed it (then no extra pass is needed).
+        """
+        if norm is not None:
+            bad = not bool(torch.isfinite(norm))  # the global norm: every rank holds the same value
+        else:
+            bad = found_overflow((p.grad for p in self.trainable_parameters()), group=self.group)
+        if not bad:
+            return True
+        name = self._first_non_finite()
+        if self.plan.non_finite_gradients == "skip":
+            logger.warning(
+                "optimizer step %d: non-finite gradient (first in %s); step skipped (%d skipped so far)",
+                self.global_steps,
+                name,
+                self.skipped_steps + 1,
+            )
+            self.zero_grad()
+            return False
+        self.zero_grad()
+        raise FloatingPointError(
+            f"optimizer step {self.global_steps}: non-finite gradient, first in {name}; the weights are untouched. "
+            'Lower the learning rate or check the data, or set "non_finite_gradients": "skip" to skip such steps'
+        )
+
     @torch.no_grad()
     def _optimizer_step(self) -> bool:
         if self.optimizer is None:
@@ -323,8 +371,13 @@ class ZeroEngine:
             logger.info("fp16 overflow: step %d skipped, loss scale now %g", self.global_steps, self.loss_scaler.scale)
             self.zero_grad()
             return False
+        norm = None
         if self.gradient_clipping > 0:
-            self.last_grad_norm = clip_grad_norm_(self.trainable_parameters(), self.gradient_clipping, group=self.group)
+            norm = self.last_grad_norm = clip_grad_norm_(
+                self.trainable_parameters(), self.gradient_clipping, group=self.group
+            )
+        if self.loss_scaler is None and not self._finite_or_handled(norm):
+            return False
         self.optimizer.step()
         self.zero_grad()
         return True

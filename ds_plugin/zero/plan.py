@@ -93,6 +93,8 @@ class ZeroPlan:
     comms_logger: CommsLoggerConfig | None
     """The collective logger to switch on at setup; None = off."""
     host_memory_reuse: bool
+    non_finite_gradients: str
+    """Without a loss scaler (bf16/fp32): "error" stops at a non-finite gradient, "skip" skips that step."""
     """CPU runs: make glibc keep freed memory mapped (see `host_memory.py`)."""
 
 
@@ -225,4 +227,5 @@ def resolve_plan(
         loss_scaling=config.fp16 if config.compute_dtype == "fp16" else None,
         comms_logger=config.comms_logger if config.comms_logger.enabled else None,
         host_memory_reuse=config.host_memory_reuse and device_type == "cpu",
+        non_finite_gradients=config.non_finite_gradients,
     )

@@ -13,29 +13,17 @@ import pytest
 import torch
 
 from ds_plugin.launch import run_ranks
-from tests.zero._tiny import quiet
+from tests.zero._tiny import VOCAB, llama, quiet
 
 pytestmark = pytest.mark.slow
 
 peft = pytest.importorskip("peft")
 
-VOCAB, SEQ, PER_RANK, STEPS = 128, 16, 2, 6
+SEQ, PER_RANK, STEPS = 16, 2, 6
 
 
 def _base():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return llama(seed=0)
 
 
 def _peft_config(kind: str):

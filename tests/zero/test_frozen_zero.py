@@ -9,30 +9,19 @@ import torch
 from torch import nn
 
 from ds_plugin.launch import run_ranks
-from tests.zero._tiny import quiet
+from tests.zero._tiny import VOCAB, llama, quiet
 
 pytestmark = pytest.mark.slow
 
-VOCAB, SEQ, PER_RANK = 128, 16, 2
+SEQ, PER_RANK = 16, 2
 STEPS = 4
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def _lora_llama(hidden: int = 64) -> nn.Module:
+def _lora_llama() -> nn.Module:
     import peft
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = llama(seed=0)
     warnings.simplefilter("ignore")
     cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=QKVO, modules_to_save=["lm_head"])
     return peft.get_peft_model(model, cfg)

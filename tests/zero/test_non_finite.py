@@ -1,0 +1,60 @@
+"""A non-finite gradient without fp16 loss scaling (bf16 / fp32): stop with the parameter's name, or skip the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ds_plugin.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _worker(rank: int, world: int, policy: str, stage: int, clip: float) -> dict:
+    torch.set_num_threads(1)
+    from ds_plugin import initialize
+    from tests.zero._tiny import full_params
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    cfg = {"zero_optimization": {"stage": stage}, "gradient_clipping": clip, "non_finite_gradients": policy}
+    engine = initialize(model, cfg, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    g = torch.Generator().manual_seed(rank)
+    out: dict = {"stepped": [], "changed": []}
+    for step in range(4):
+        x = torch.randn(4, 8, generator=g)
+        loss = engine(x).pow(2).mean()
+        if step == 1 and rank == world - 1:
+            loss = loss * float("nan")  # one rank's data goes bad: every rank must take the same decision
+        before = full_params(engine.module)
+        engine.backward(loss)
+        try:
+            out["stepped"].append(engine.step())
+        except FloatingPointError as e:
+            out["error"] = str(e)
+            out["untouched"] = all(torch.equal(before[n], v) for n, v in full_params(engine.module).items())
+            break
+        after = full_params(engine.module)
+        out["changed"].append(any(not torch.equal(before[n], v) for n, v in after.items()))
+    out["skipped"] = engine.skipped_steps
+    return out
+
+
+@pytest.mark.parametrize(("stage", "clip"), [(3, 0.0), (1, 1.0)])
+def test_non_finite_gradient_stops_training_naming_the_parameter(stage, clip):
+    results = run_ranks(_worker, 2, timeout=120, policy="error", stage=stage, clip=clip)
+    for r in results:
+        assert r["stepped"] == [True]  # the first step trained, the second stopped on every rank
+        assert r["untouched"]
+        assert "\n" not in r["error"] and "optimizer step 2: non-finite gradient, first in 0." in r["error"], r["error"]
+        assert "non_finite_gradients" in r["error"]
+
+
+@pytest.mark.parametrize(("stage", "clip"), [(3, 1.0), (0, 0.0)])
+def test_skip_policy_skips_the_step_on_every_rank_and_trains_on(stage, clip):
+    results = run_ranks(_worker, 2, timeout=120, policy="skip", stage=stage, clip=clip)
+    for r in results:
+        assert r["stepped"] == [True, False, True, True]
+        assert r["changed"] == [True, False, True, True]  # the bad step left the weights alone; the rest trained
+        assert r["skipped"] == 1 and "error" not in r
