@@ -1,4 +1,4 @@
-"""`quantize_frozen_(model, fmt)`: store the frozen Linear weights of a model (LoRA's base) as INT8, INT4 or NF4.
+"""`quantize_frozen_(model, fmt)`: store the frozen Linear weights of a model (LoRA's base) as INT8, INT4, NF4 or FP6.
 
 The technique half of the frozen-weight storage (the format half is :class:`QuantizedWeight`). It picks the
 frozen ``nn.Linear`` layers — peft's ``base_layer``s in particular — and swaps each weight for a
@@ -44,8 +44,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# "fp6" is a named slot: the format arrives with its kernels.
-FROZEN_FORMATS = (*FORMATS, "fp6")
+FROZEN_FORMATS = FORMATS
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -53,8 +52,6 @@ _STATS_ATTR = "_ds_plugin_frozen_stats"
 
 
 def _check_format(fmt: str) -> None:
-    if fmt == "fp6":
-        raise ValueError("frozen format 'fp6' needs the FP6 kernels, which are not built yet; use int8, int4 or nf4")
     if fmt not in FORMATS:
         raise ValueError(f"frozen format {fmt!r} is not one of {', '.join(FORMATS)}")
 
@@ -130,7 +127,7 @@ def default_group_size(fmt: str, cols: int) -> int:
     96-wide weight and a default of 64.
 
     Args:
-        fmt: "int8", "int4" or "nf4".
+        fmt: "int8", "int4", "nf4" or "fp6".
         cols: the weight's K.
     """
     default = DEFAULT_GROUP_SIZE[fmt]
@@ -177,8 +174,8 @@ def quantize_frozen_(
 
     Args:
         model: the model; its Linear weights must be materialised (not on the meta device).
-        fmt: "int8" (blockwise absmax), "int4" (group-wise, searched scales) or "nf4" (QLoRA's codebook,
-            double-quantized scales); "fp6" is refused until its kernels exist.
+        fmt: "int8" (blockwise absmax), "int4" (group-wise, searched scales), "nf4" (QLoRA's codebook,
+            double-quantized scales) or "fp6" (e3m2 codes, bf16 absmax scale per group of 128).
         group_size: elements per scale along a row; default per format and width (``default_group_size``).
         filter_fn: ``(module, name) -> bool`` choosing which ``nn.Linear`` layers to convert, replacing the
             default (frozen, not the output head, not a module peft added).
@@ -187,8 +184,8 @@ def quantize_frozen_(
             of every weight's rows and they exchange the codes, so the conversion costs 1/world per rank.
 
     Raises:
-        ValueError: an unknown format, "fp6", a chosen weight that is trainable, on the meta device, or whose
-            width the group size does not divide; nothing is converted then.
+        ValueError: an unknown format, a chosen weight that is trainable, on the meta device, or whose width the
+            group size does not divide (fp6 also needs a group that is a multiple of 16); nothing is converted then.
     """
     _check_format(fmt)
     choose = filter_fn or _default_filter(model)
@@ -248,7 +245,7 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
     for name, q in quantized_weights(model).items():
         if q.shape[0] % world_size:
             raise ValueError(
-                f"{name}: {q.shape[0]} rows of a {q.fmt} weight do not split evenly over {world_size} ranks, which "
+                f"{name}: the {q.fmt} weight's {q.shape[0]} rows do not split evenly over {world_size} ranks, which "
                 "ZeRO stages 2/3 need to shard its codes; leave it out with filter_fn, or use a world size that "
                 "divides it"
             )

@@ -270,3 +270,33 @@ def test_frozen_parameters_get_no_master_no_gradient_no_optimizer_state():
             # bf16 storage: 2 bytes per frozen element, whole (stages 0/1) or sharded (2/3).
             expected = 2 * got["frozen_numel"] // (1 if stage < 2 else 2)
             assert abs(got["frozen_bytes"] - expected) <= 0.01 * expected, stage
+
+
+def _refusal_worker(rank: int, world: int) -> dict:
+    import dataclasses
+
+    from ds_plugin import quantize_frozen_
+    from ds_plugin.zero.apply import _check_quantized_shards, apply_zero, plan_for
+    from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh
+
+    out = {}
+    uneven = quantize_frozen_(nn.Sequential(nn.Linear(64, 3), nn.Linear(3, 2)).requires_grad_(False), "int8")
+    try:
+        apply_zero(uneven, {"zero_optimization": {"stage": 3}})
+    except ZeroSetupError as e:
+        out["uneven"] = str(e)
+    even = quantize_frozen_(nn.Sequential(nn.Linear(64, 4)).requires_grad_(False), "int8")
+    mesh = data_parallel_mesh(None)
+    hpz = dataclasses.replace(plan_for({"zero_optimization": {"stage": 3}}, mesh), reshard_after_forward=2)
+    try:
+        _check_quantized_shards(even, hpz, mesh)
+    except ZeroSetupError as e:
+        out["hpz"] = str(e)
+    return out
+
+
+def test_layouts_the_gather_cannot_serve_are_refused_in_one_line():
+    for r in run_ranks(_refusal_worker, 2, timeout=120):
+        assert "0.weight: the int8 weight's 3 rows do not split evenly over 2 ranks" in r["uneven"], r
+        assert "hpZ" in r["hpz"] and "zero_hpz_partition_size to 1" in r["hpz"]
+        assert "\n" not in r["uneven"] + r["hpz"]
