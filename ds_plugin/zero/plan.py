@@ -118,7 +118,12 @@ def _apply_framework(config: TrainingConfig, fw: FrameworkSettings, world_size: 
     precision = fw.precision
     if precision is not None:
         if AUTO in (config.fp16.enabled, config.bf16.enabled):
-            config = config.resolve(precision=precision)
+            # Only the precision: `resolve` would also turn an "auto" gradient_clipping into 1.0 here, before the
+            # framework's clipping value is applied below.
+            config = config.replace(
+                fp16={"enabled": precision == "fp16"} if config.fp16.enabled == AUTO else {},
+                bf16={"enabled": precision == "bf16"} if config.bf16.enabled == AUTO else {},
+            )
         if precision != "fp32":
             if config.compute_dtype not in ("fp32", precision):
                 raise ConfigError(

@@ -144,3 +144,15 @@ def test_the_plan_checks_everything_once_with_one_line_errors() -> None:
     offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     assert not resolve_plan(offload, world_size=2, device_type="cpu").offload
     assert resolve_plan(offload, world_size=2, device_type="cuda").offload
+
+
+def test_auto_precision_leaves_an_auto_clip_to_the_framework() -> None:
+    # Resolving "auto" precision used to resolve an "auto" gradient_clipping to DeepSpeed's 1.0 on the way, so a
+    # framework's own clipping value then clashed with it (or, without one, clipping was silently on).
+    cfg = {"bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+    keys = frozenset(cfg)
+    fw = FrameworkSettings(owner="ZeroStrategy", precision="bf16", clip=0.5, explicit_keys=keys)
+    plan = resolve_plan(cfg, world_size=2, device_type="cpu", framework=fw)
+    assert (plan.compute_dtype, plan.gradient_clipping) == ("bf16", 0.5)
+    no_clip = FrameworkSettings(owner="ZeroStrategy", precision="bf16", explicit_keys=keys)
+    assert resolve_plan(cfg, world_size=2, device_type="cpu", framework=no_clip).gradient_clipping == 0.0

@@ -1,0 +1,157 @@
+"""The engine's part of `accelerator.save_state` / `load_state` / `get_state_dict`: a sharded DCP directory inside
+Accelerate's folder, and whole weights gathered on the main process.
+
+Accelerate's own `save_state` writes whole model and optimizer state dicts from one process, which a ZeRO model
+does not have (its weights and optimizer state are shards). So the engine's model, optimizer and step counters go
+to `<output_dir>/ds_plugin_engine/`, written by every rank through `ds_plugin.zero.checkpoint` (atomic, resharding,
+loads at any stage or world size); everything else (LR schedulers, dataloader positions, RNG states, `step`,
+registered objects) stays Accelerate's, in Accelerate's files beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_plugin.accelerate.optimizer import ZeroAcceleratedOptimizer
+from ds_plugin.adapters import full_state_dict
+from ds_plugin.strategies._checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from ds_plugin.zero.checkpoint import MARKER, CheckpointError
+from ds_plugin.zero.engine import ZeroEngine
+
+__all__ = ["ENGINE_DIR", "EngineCheckpointing", "has_engine_state", "load_engine_state", "save_engine_state"]
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DIR = "ds_plugin_engine"
+"""The engine's sub-directory of an `accelerator.save_state` folder (and of an HF Trainer checkpoint)."""
+
+
+def save_engine_state(output_dir: str | os.PathLike, engine: ZeroEngine, *, optimizer: bool = True) -> Path:
+    """Write the engine's weights, optimizer state and counters under `output_dir`; every rank must call it.
+
+    Args:
+        output_dir: the `save_state` folder (the same path on every rank).
+        engine: the engine training the prepared model.
+        optimizer: include the optimizer state (when the engine has an optimizer).
+    """
+    optim = engine.optimizer_state_dict() if optimizer and engine.optimizer is not None else None
+    path = Path(output_dir) / ENGINE_DIR
+    save_engine_checkpoint(
+        path, engine, model_state=engine.model_state_dict(), optimizer_state=optim, framework_state={}
+    )
+    return path
+
+
+def has_engine_state(input_dir: str | os.PathLike) -> bool:
+    """Whether `input_dir` holds an engine checkpoint written by `save_engine_state`.
+
+    Args:
+        input_dir: a `save_state` folder or an HF Trainer checkpoint folder.
+    """
+    return (Path(input_dir) / ENGINE_DIR / MARKER).is_file()
+
+
+def load_engine_state(input_dir: str | os.PathLike, engine: ZeroEngine, *, optimizer: bool = True) -> None:
+    """Load what `save_engine_state` wrote (at any stage or world size) into the engine; every rank must call it.
+
+    Args:
+        input_dir: the `save_state` folder.
+        engine: the engine of the prepared model.
+        optimizer: also load the optimizer state and step counters.
+
+    Raises:
+        CheckpointError: the folder holds no engine checkpoint, or another model's (one line).
+    """
+    if not has_engine_state(input_dir):
+        raise CheckpointError(
+            f"{input_dir} has no {ENGINE_DIR}/ checkpoint: it was not saved by a ds_plugin Accelerator; load a "
+            "folder written by accelerator.save_state under ds_plugin"
+        )
+    load_engine_checkpoint(Path(input_dir) / ENGINE_DIR, engine, optimizer=optimizer)
+    logger.info("loaded the engine state from %s", Path(input_dir) / ENGINE_DIR)
+
+
+class EngineCheckpointing:
+    """`save_state`, `load_state` and `get_state_dict` of `ds_plugin.accelerate.Accelerator` (a mixin before
+    `accelerate.Accelerator`): the engine's model and optimizer go through the functions above, the rest is
+    Accelerate's own code, which runs with the engine's objects hidden from it."""
+
+    _engine: ZeroEngine | None
+    _models: list[Any]
+    _optimizers: list[Any]
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full weights as CPU tensors on the main process (empty elsewhere); every process must call it.
+
+        Trainable weights are the fp32 masters; a frozen weight stored quantized (`frozen_format`) appears as its
+        components (`<name>.codes`, ...).
+
+        Args:
+            model: the prepared model.
+            unwrap: ignored for the engine's model (it is not wrapped).
+        """
+        if self._engine is None or self.unwrap_model(model) is not self._engine.module:
+            return super().get_state_dict(model, unwrap=unwrap)
+        return full_state_dict(self._engine)
+
+    def _without_engine_objects(self) -> contextlib.AbstractContextManager[None]:
+        # Accelerate's save/load would write or read whole state dicts of these from one process.
+        engine = self._engine
+        models, optimizers = self._models, self._optimizers
+
+        @contextlib.contextmanager
+        def hidden() -> Iterator[None]:
+            self._models = [m for m in models if m is not engine.module]
+            self._optimizers = [o for o in optimizers if not isinstance(o, ZeroAcceleratedOptimizer)]
+            try:
+                yield
+            finally:
+                self._models, self._optimizers = models, optimizers
+
+        return hidden()
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """Accelerate's `save_state`, with the engine's model, optimizer and counters in a sharded
+        `ds_plugin_engine/` sub-directory; every process must call it.
+
+        Args:
+            output_dir: the folder (or None with automatic checkpoint naming).
+            safe_serialization: for Accelerate's own files.
+            kwargs: Accelerate's `save_model_func_kwargs`.
+        """
+        engine = self._engine
+        if engine is None:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        handle = self.register_save_state_pre_hook(lambda _models, _weights, out: save_engine_state(out, engine))
+        try:
+            with self._without_engine_objects():
+                return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            handle.remove()
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Accelerate's `load_state`, loading the engine's part from `ds_plugin_engine/` (saved at any stage or
+        world size); every process must call it.
+
+        Args:
+            input_dir: the folder `save_state` wrote (or None with automatic checkpoint naming).
+            load_kwargs: Accelerate's.
+            kwargs: Accelerate's `load_model_func_kwargs`.
+        """
+        engine = self._engine
+        if engine is None:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        handle = self.register_load_state_pre_hook(lambda _models, folder: load_engine_state(folder, engine))
+        try:
+            with self._without_engine_objects():
+                return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        finally:
+            handle.remove()

@@ -1,0 +1,218 @@
+"""The HF `Trainer` (and trl's trainers, its subclasses) on the ZeRO engine, under `python -m ds_plugin.accelerate`.
+
+The Trainer builds its own `Accelerator` (the bootstrap makes it ds_plugin's) and treats the run as plain DDP, so
+four of its steps are mapped here, each only when the Trainer's accelerator is a ds_plugin one:
+
+* `TrainingArguments(deepspeed=...)`: the user's DeepSpeed JSON (path or dict) becomes this Trainer's ds_plugin
+  config (as in Accelerate, an argument in code beats the launch's `--ds-config`), checked when the arguments are
+  built, before they start the process group; `deepspeed` is then cleared so transformers does not start DeepSpeed
+  itself. Without it, `DS_PLUGIN_CONFIG` must be set (also checked there). `fsdp=...` is refused there too.
+* the Accelerator's arguments: a `ZeroPlugin` whose "auto" values come from `TrainingArguments`
+  (`gradient_accumulation_steps`, `max_grad_norm`; precision and batch size reach the Accelerator anyway), as
+  transformers' own DeepSpeed integration fills them.
+* `save_model`: every rank gathers the full weights (a peft model: its trainable ones), rank 0 writes them with
+  `save_pretrained`, so `from_pretrained` / `PeftModel.from_pretrained` read the result.
+* checkpoints (`save_steps`, `resume_from_checkpoint`): the optimizer state is the engine's sharded DCP directory
+  instead of rank 0's `optimizer.pt` (which would hold only rank 0's shards); the scheduler stays the Trainer's.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ds_plugin.accelerate.checkpoint import has_engine_state, load_engine_state, save_engine_state
+from ds_plugin.accelerate.plugin import CONFIG_ENV, ZeroPlugin
+from ds_plugin.config import ConfigError
+
+__all__ = ["install_transformers_hooks"]
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_ds_plugin_hook"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `callback(module)` right after the module `name` finishes importing (one shot)."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; the lookup below must not find this finder again
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run_module = spec.loader.exec_module
+            callback = self.callback
+
+            def exec_module(module: ModuleType) -> None:
+                run_module(module)
+                callback(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    if name in sys.modules:
+        callback(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+def install_transformers_hooks() -> None:
+    """Hook `TrainingArguments` and `Trainer` now, or when transformers loads them (idempotent)."""
+    if importlib.util.find_spec("transformers") is None:
+        return
+    _after_import("transformers.training_args", _hook_training_args)
+    _after_import("transformers.trainer", _hook_trainer)
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(cls, name)
+    if getattr(original, _MARK, False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, _MARK, True)
+    setattr(cls, name, wrapped)
+
+
+# ---------------------------------------------------------------------- TrainingArguments
+
+
+def _take_deepspeed_config(args: Any) -> None:
+    if getattr(args, "fsdp", None):
+        raise ConfigError(
+            "TrainingArguments(fsdp=...): ds_plugin shards the model itself; drop fsdp and give a DeepSpeed config"
+        )
+    source = getattr(args, "deepspeed", None)
+    if source:
+        # As in Accelerate, an argument in code beats the launch's setting: this Trainer uses its own JSON.
+        if os.environ.get(CONFIG_ENV, "").strip():
+            logger.info("TrainingArguments(deepspeed=...) is used instead of %s for this Trainer", CONFIG_ENV)
+        ZeroPlugin(config=source)  # checked now, before the arguments start the process group
+        args.deepspeed = None  # transformers would start DeepSpeed itself
+        args._ds_plugin_config = source
+    elif not os.environ.get(CONFIG_ENV, "").strip():
+        ZeroPlugin.from_env()  # raises, naming the variable
+
+
+def _hook_training_args(module: ModuleType) -> None:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __post_init__(self: Any) -> None:
+            _take_deepspeed_config(self)
+            original(self)
+
+        return __post_init__
+
+    _wrap(module.TrainingArguments, "__post_init__", make)
+
+
+# ---------------------------------------------------------------------- Trainer
+
+
+def _engine(trainer: Any) -> Any:
+    from ds_plugin.accelerate.accelerator import Accelerator
+
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.engine if isinstance(accelerator, Accelerator) else None
+
+
+def trainer_plugin(args: Any) -> ZeroPlugin:
+    """The `ZeroPlugin` for a Trainer's arguments: its DeepSpeed JSON (or `DS_PLUGIN_CONFIG`), with "auto" values
+    from `gradient_accumulation_steps` and `max_grad_norm`.
+
+    Args:
+        args: the Trainer's `TrainingArguments`.
+    """
+    loop = {
+        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+        "gradient_clipping": float(args.max_grad_norm or 0.0),
+        "accumulation_setting": "TrainingArguments(gradient_accumulation_steps)",
+        "clip_setting": "TrainingArguments(max_grad_norm)",
+    }
+    source = getattr(args, "_ds_plugin_config", None)
+    return ZeroPlugin(config=source, **loop) if source is not None else ZeroPlugin.from_env(**loop)
+
+
+def _is_peft(model: Any) -> bool:
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _hook_trainer(module: ModuleType) -> None:
+    from ds_plugin.accelerate.accelerator import Accelerator
+    from ds_plugin.adapters import full_state_dict
+
+    if "Accelerator" in module.__dict__:
+        module.Accelerator = Accelerator  # bound before the bootstrap ran
+    trainer = module.Trainer
+    scheduler_name = getattr(module, "SCHEDULER_NAME", "scheduler.pt")
+
+    def build_args(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _build_accelerator_args(self: Any, **kwargs: Any) -> dict[str, Any]:
+            built = original(self, **kwargs)
+            built["zero_plugin"] = trainer_plugin(self.args)
+            return built
+
+        return _build_accelerator_args
+
+    def save_model(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save(self: Any, output_dir: str | None = None, _internal_call: bool = False) -> None:
+            engine = _engine(self)
+            if engine is None:
+                return original(self, output_dir, _internal_call)
+            output_dir = output_dir or self.args.output_dir
+            # Every rank gathers (a collective); `_save` writes on the saving rank only.
+            state = full_state_dict(engine, trainable_only=_is_peft(self.model))
+            self._save(output_dir, state_dict=state)
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return None
+
+        return save
+
+    def save_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save(self: Any, output_dir: str) -> None:
+            engine = _engine(self)
+            if engine is None:
+                return original(self, output_dir)
+            save_engine_state(output_dir, engine)
+            if self.args.should_save and self.lr_scheduler is not None:
+                import torch
+
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, scheduler_name))
+            return None
+
+        return save
+
+    def load_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(self: Any, checkpoint: str | None) -> None:
+            engine = _engine(self)
+            if engine is None or checkpoint is None or not has_engine_state(checkpoint):
+                return original(self, checkpoint)
+            load_engine_state(checkpoint, engine)
+            path = os.path.join(checkpoint, scheduler_name)
+            if self.lr_scheduler is not None and os.path.isfile(path):
+                import torch
+
+                self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+            return None
+
+        return load
+
+    _wrap(trainer, "_build_accelerator_args", build_args)
+    _wrap(trainer, "save_model", save_model)
+    _wrap(trainer, "_save_optimizer_and_scheduler", save_optimizer)
+    _wrap(trainer, "_load_optimizer_and_scheduler", load_optimizer)
+    logger.debug("transformers Trainer hooked for ds_plugin")
