@@ -58,6 +58,7 @@ ROWS = [
     ("nf4 (ours, double quant)", "nf4", "double_quant"),
     ("nf4 (ours, no double quant)", "nf4", "no_double_quant"),
     ("nf4 (bitsandbytes, compress_statistics)", "bnb-nf4", None),
+    ("fp6 e3m2", "fp6", "default"),
 ]
 
 

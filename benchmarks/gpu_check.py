@@ -1,7 +1,9 @@
-"""The blockwise quantizer on a CUDA GPU: Triton row kernels against the torch form, bit-compared and timed.
+"""The blockwise quantizer and the quantized-linear kernels on a CUDA GPU, against their torch forms.
 
-Run by `benchmarks/gpu_check.sh`; prints one JSON object (device, versions, date, and per bucket size the
-median milliseconds of each form and whether their outputs are identical).
+Run by `benchmarks/gpu_check.sh`; prints one JSON object: device, versions, date; per bucket size the median
+milliseconds of the quantizer's Triton and torch forms and whether their outputs are identical ("runs"); and per
+frozen-weight format the largest error of the ``ds_plugin::quantized_linear`` kernels against ``F.linear`` on the
+dequantized weight, on a real quantized 8192 x 8192 weight, relative to that product's largest entry ("linear").
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import functools
 import json
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from ds_plugin.quant import dispatch
+from ds_plugin.quant.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
+from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
 
 
 def _median_ms(fn, repeats: int = 20) -> float:
@@ -66,7 +71,32 @@ def main() -> None:
             entry["identical"] = all(torch.equal(a, b) for a, b in zip(outs["torch"], outs["triton"], strict=True))
             entry["quantize_speedup"] = entry["torch_quantize_ms"] / entry["triton_quantize_ms"]
             report["runs"].append(entry)
+    report["linear"] = linear_errors(device)
     print(json.dumps(report, indent=1))
+
+
+def linear_errors(device: torch.device, n: int = 8192, k: int = 8192) -> list[dict]:
+    """Largest |kernel - reference| / max |reference| of the forward (M = 1, 16, 4096) and backward (M = 4096)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    w = torch.randn(n, k, generator=gen, device=device) * 0.02
+    out = []
+    for fmt in ("fp6", "int4", "int8"):
+        parts = quantize_weight(w, fmt)
+        group = {"fp6": 128, "int4": 64, "int8": 128}[fmt]  # the formats' defaults
+        tensors = parts_list(fmt, parts)
+        ref_w = dequantize_weight(parts, fmt, group, torch.bfloat16)
+        entry = {"format": fmt, "N": n, "K": k}
+        for m in (1, 16, 4096):
+            x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
+            want = F.linear(x.float(), ref_w.float())
+            got = quantized_linear(x, tensors, fmt, group, None).float()
+            entry[f"fwd_m{m}_rel_err"] = float((got - want).abs().max() / want.abs().max())
+        dy = torch.randn(4096, n, generator=gen, device=device, dtype=torch.bfloat16)
+        want = dy.float() @ ref_w.float()
+        got = quantized_linear_grad_input(dy, tensors, fmt, group, k).float()
+        entry["bwd_m4096_rel_err"] = float((got - want).abs().max() / want.abs().max())
+        out.append(entry)
+    return out
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "comm": "ds_plugin.bench.comm",
     "slow-link": "ds_plugin.bench.slow_link",
     "fp8": "ds_plugin.bench.fp8",
+    "kernels": "ds_plugin.bench.kernels",
 }
 
 
@@ -122,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated projections LoRA adapts: q,k,v,o,gate,up,down, module names, or all-linear",
     )
     p.add_argument("--frozen-format", default="bf16", help="bf16|int8|int4|nf4|fp6: storage of frozen Linear weights")
-    p.add_argument("--frozen-group-size", type=int, help="elements per scale of int8/int4/nf4 (default 128, 64, 64)")
+    p.add_argument(
+        "--frozen-group-size", type=int, help="elements per scale of int8/int4/nf4/fp6 (default 128, 64, 64, 128)"
+    )
     p.add_argument("--hidden-size", type=int, help="with --params and --lora-rank: the hidden size")
     p.add_argument("--num-layers", type=int, help="with --params and --lora-rank: the number of layers")
     p.add_argument("--json", action="store_true", help="print JSON")

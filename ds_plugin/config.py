@@ -192,10 +192,10 @@ class ZeroConfig:
         False, doc="store frozen (requires_grad=False) Linear weights as INT8 (DeepSpeed's MixZ++; see frozen_format)"
     )
     frozen_format: Literal["none", "int8", "int4", "nf4", "fp6"] = option(
-        "none", doc="ds_plugin: storage of frozen Linear weights (LoRA's base): int8, int4 or nf4; none keeps them"
+        "none", doc="ds_plugin: storage of frozen Linear weights (LoRA's base): int8, int4, nf4 or fp6; none keeps them"
     )
     frozen_group_size: int | None = option(
-        None, doc="ds_plugin: elements per scale of frozen_format (null: 128 int8, 64 int4, 64 nf4)", ge=2
+        None, doc="ds_plugin: elements per scale of frozen_format (null: 128 int8, 64 int4, 64 nf4, 128 fp6)", ge=2
     )
     zero_quantized_gradients: bool = option(False, doc="qgZ: INT4 all-to-all gradient reduction")
     zero_quantized_weights_block_size: int = option(4096, doc="ds_plugin: elements per qwZ scale", ge=2)
@@ -250,10 +250,6 @@ class ZeroConfig:
                 f"zero_quantized_gradients_block_size: {self.zero_quantized_gradients_block_size} is odd; INT4 packs "
                 "two values per byte, use an even block size such as 64"
             )
-        if self.frozen_format == "fp6":
-            raise ConfigError(
-                "frozen_format: fp6 needs the FP6 kernels, which are not built yet; use int8, int4 or nf4"
-            )
         if self.zero_quantized_nontrainable_weights and self.frozen_format not in ("none", "int8"):
             raise ConfigError(
                 f"zero_quantized_nontrainable_weights: asks for INT8 but frozen_format is {self.frozen_format!r}; "
@@ -265,7 +261,7 @@ class ZeroConfig:
 
     @property
     def frozen_storage(self) -> str | None:
-        """The storage format of frozen Linear weights ("int8", "int4", "nf4"), or None to keep them as they are."""
+        """The storage format of frozen Linear weights ("int8", "int4", "nf4", "fp6"), or None to keep them as is."""
         if self.frozen_format != "none":
             return self.frozen_format
         return "int8" if self.zero_quantized_nontrainable_weights else None

@@ -22,13 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Frozen-weight storage formats the estimate knows. int8/int4/nf4 are ds_plugin's group-wise formats
-# (`ds_plugin.quant.weight_formats`); fp6 e3m2 carries one fp16 scale per output row, counted here as 0.
-QUANTIZED_FORMATS = ("int8", "int4", "nf4")
-FROZEN_FORMATS = ("fp32", "bf16", "fp16", *QUANTIZED_FORMATS, "fp6")
+# Frozen-weight storage formats the estimate knows. int8/int4/nf4/fp6 are ds_plugin's group-wise formats
+# (`ds_plugin.quant.weight_formats`).
+QUANTIZED_FORMATS = ("int8", "int4", "nf4", "fp6")
+FROZEN_FORMATS = ("fp32", "bf16", "fp16", *QUANTIZED_FORMATS)
 # ds_plugin.quant.weight_formats.DEFAULT_GROUP_SIZE, repeated so the estimate needs no torch import for it
 # (tests/test_estimate.py checks that the two agree).
-DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 64, "nf4": 64}
+DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 64, "nf4": 64, "fp6": 128}
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
 # K in the ZeRO paper: optimizer-state bytes per parameter for mixed-precision Adam.
@@ -42,16 +42,16 @@ def frozen_bytes_per_element(fmt: str, group_size: int | None = None) -> float:
 
     Args:
         fmt: one of FROZEN_FORMATS.
-        group_size: elements per scale for int8/int4/nf4; default DEFAULT_GROUP_SIZE.
+        group_size: elements per scale for int8/int4/nf4/fp6; default DEFAULT_GROUP_SIZE.
     """
     if fmt not in FROZEN_FORMATS:
         raise ValueError(f"--frozen-format {fmt!r} is not one of {', '.join(FROZEN_FORMATS)}")
     if fmt not in QUANTIZED_FORMATS:
-        return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp6": 6 / 8}[fmt]
+        return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[fmt]
     g = group_size or DEFAULT_GROUP_SIZE[fmt]
     # int8: code + a bf16 scale per group; int4: half a byte + bf16 scale + uint8 zero point per group;
-    # nf4: half a byte + an int8 double-quantized absmax per group.
-    return {"int8": 1 + 2 / g, "int4": 0.5 + 3 / g, "nf4": 0.5 + 1 / g}[fmt]
+    # nf4: half a byte + an int8 double-quantized absmax per group; fp6: 3/4 byte + a bf16 scale per group.
+    return {"int8": 1 + 2 / g, "int4": 0.5 + 3 / g, "nf4": 0.5 + 1 / g, "fp6": 0.75 + 2 / g}[fmt]
 
 
 # Bytes per element at the default group sizes (kept for callers of the old table).
@@ -180,7 +180,7 @@ def frozen_base_bytes(shape: ModelShape, fmt: str, group_size: int | None = None
     Args:
         shape: the model's shape.
         fmt: one of FROZEN_FORMATS.
-        group_size: elements per scale for int8/int4/nf4; default DEFAULT_GROUP_SIZE.
+        group_size: elements per scale for int8/int4/nf4/fp6; default DEFAULT_GROUP_SIZE.
     """
     frozen_bytes_per_element(fmt, group_size)  # validates fmt
     if group_size is not None and fmt not in QUANTIZED_FORMATS:
@@ -309,7 +309,7 @@ def estimate(
         lora_rank: LoRA rank r; trainable = the adapters, frozen = the base model, stored as `frozen_format`.
         frozen_format: storage format of the frozen Linear weights: one of FROZEN_FORMATS.
         lora_targets: the projections LoRA adapts (see `lora_params`).
-        frozen_group_size: elements per scale of int8/int4/nf4; default DEFAULT_GROUP_SIZE (capped at the row).
+        frozen_group_size: elements per scale of int8/int4/nf4/fp6; default DEFAULT_GROUP_SIZE (capped at the row).
     """
     if world_size < 1:
         raise ValueError(f"--world-size {world_size} must be at least 1")

@@ -1,4 +1,4 @@
-"""`QuantizedWeight`: a frozen Linear weight stored as INT8, INT4 or NF4 codes, sharded and gathered as codes.
+"""`QuantizedWeight`: a frozen Linear weight stored as INT8, INT4, NF4 or FP6 codes, sharded and gathered as codes.
 
 A format is a tensor type, as in torchao: the weight parameter of a frozen ``nn.Linear`` becomes a
 ``QuantizedWeight`` whose logical shape and dtype are the original weight's (N, K) and compute dtype, and whose
@@ -13,9 +13,12 @@ What that buys, stage by stage:
   float dtype, which FSDP2 would then canonicalise) and rebuilds a full ``QuantizedWeight`` whose components are
   views into the gathered bytes.
 - Stages 0-2: the weight is stored replicated, quantized.
-- Compute: ``F.linear`` on a ``QuantizedWeight`` runs :class:`_QuantizedLinear`, which dequantizes into the
-  compute dtype for the product and drops the result; backward dequantizes again for ``dx = dy · W``. Only one
-  layer's full-precision weight exists at a time, and no gradient is ever made for W.
+- Compute: ``F.linear`` on a ``QuantizedWeight`` runs :class:`_QuantizedLinear`, which calls the custom op
+  ``ds_plugin::quantized_linear`` (:mod:`ds_plugin.quant.linear_op`) on the components: on CUDA, Triton kernels
+  with the dequantization fused into the GEMM (fp6, int4, int8); elsewhere, and for nf4, the reference dequantizes
+  into the compute dtype for the product and drops the result. Backward does the same for ``dx = dy · W``
+  (``ds_plugin::quantized_linear_grad_input``). At most one layer's full-precision weight exists at a time (none
+  with the kernels), and no gradient is ever made for W.
 
 Any other op sees the dequantized weight (a correct, plain result), and an in-place op (peft's merge / unmerge:
 ``weight.data += delta``; ``load_state_dict`` copying a full-precision weight in) is applied to the dequantized
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map_only
 
+from ds_plugin.quant.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
 from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
 
 __all__ = ["FrozenStorageStats", "QuantizedWeight"]
@@ -63,7 +67,7 @@ class QuantizedWeight(Tensor):
 
     Args:
         parts: the components, each with N leading rows (``quantize_weight``'s output).
-        fmt: "int8", "int4" or "nf4".
+        fmt: "int8", "int4", "nf4" or "fp6".
         group_size: elements per scale along K.
         shape: the logical shape, (N, K) (or (N*K,) for FSDP2's flat view of a shard).
         dtype: the dtype the weight dequantizes into (the compute dtype).
@@ -126,7 +130,7 @@ class QuantizedWeight(Tensor):
 
         Args:
             weight: the weight (fp32, bf16 or fp16); its dtype becomes the dequantization dtype.
-            fmt: "int8", "int4" or "nf4".
+            fmt: "int8", "int4", "nf4" or "fp6".
             group_size: elements per scale along K.
             method: the format's quantization method (see ``quantize_weight``).
             stats: counters to share with the model's other quantized weights.
@@ -180,7 +184,7 @@ class QuantizedWeight(Tensor):
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         names = list(self.parts)
-        return [f"_part_{n}" for n in names], (names, self.fmt, self.group_size, self.stats)
+        return [f"_part_{n}" for n in names], (names, self.fmt, self.group_size, self.stats, self.dtype)
 
     def __getattr__(self, name: str) -> Any:
         # `__tensor_unflatten__` and torch's subclass utilities read the inner tensors as attributes.
@@ -190,10 +194,10 @@ class QuantizedWeight(Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> QuantizedWeight:
-        names, fmt, group_size, stats = meta
+        names, fmt, group_size, stats, dtype = meta
         parts = {n: inner[f"_part_{n}"] for n in names}
-        first = next(iter(parts.values()))
-        return QuantizedWeight(parts, fmt, group_size, tuple(outer_size), first.dtype, stats)
+        # The logical dtype travels in the metadata: the first part is uint8 codes, not what W dequantizes into.
+        return QuantizedWeight(parts, fmt, group_size, tuple(outer_size), dtype, stats)
 
     # ------------------------------------------------------------------ torch function / dispatch
 
@@ -294,30 +298,28 @@ def _linear_args(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
 
 
 class _QuantizedLinear(torch.autograd.Function):
-    """y = x · dequant(W)ᵀ + b, with W dequantized again in backward instead of saved in full precision."""
+    """y = x · dequant(W)ᵀ + b through ``ds_plugin::quantized_linear``; backward reads W's codes again."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: QuantizedWeight, bias: Tensor | None) -> Tensor:
-        # The QuantizedWeight itself is kept, not its dequantized copy: under ZeRO-3 FSDP2 frees its gathered
-        # codes after forward and gathers them into the same object again before this layer's backward.
+        # The QuantizedWeight itself is kept, not its components (nor a dequantized copy): under ZeRO-3 FSDP2 frees
+        # its gathered codes after forward and gathers them into the same object again before this layer's
+        # backward, so backward must read `weight.parts` then. (The op's own autograd formula saves the components,
+        # which is right for a caller holding plain tensors.)
         ctx.weight = weight
         ctx.bias_shape = None if bias is None else bias.shape
         with torch._C.DisableTorchFunctionSubclass():
-            w = weight.dequantize(x.dtype if x.is_floating_point() else weight.dtype)
-            b = bias.to(w.dtype) if bias is not None and bias.dtype != w.dtype else bias
-            return F.linear(x, w, b)
+            return quantized_linear(x, parts_list(weight.fmt, weight.parts), weight.fmt, weight.group_size, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
+            w = ctx.weight
             with torch._C.DisableTorchFunctionSubclass():
-                w = ctx.weight.dequantize(grad_out.dtype)
-                if w.device.type == "cpu" and w.dtype != torch.float32:
-                    # The CPU's bf16/fp16 GEMM takes a slow path for dy @ W with W row-major: 30x slower, measured
-                    # (256x768 @ 768x2048, one thread); W stored transposed avoids it.
-                    w = w.t().contiguous().t()
-                grad_x = grad_out @ w
+                grad_x = quantized_linear_grad_input(
+                    grad_out, parts_list(w.fmt, w.parts), w.fmt, w.group_size, w.logical_cols
+                )
         if ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, None, grad_bias

@@ -1,4 +1,4 @@
-"""Frozen Linear weights stored as INT8 / INT4 / NF4 (`quantize_frozen_`, `QuantizedWeight`), in one process."""
+"""Frozen Linear weights stored as INT8 / INT4 / NF4 / FP6 (`quantize_frozen_`, `QuantizedWeight`), in one process."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def _fake_quantized(model: nn.Module, fmt: str) -> nn.Module:
     return ref
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4", "fp6"])
 def test_lora_base_is_quantized_adapters_and_head_are_not(fmt):
     model = _lora(_llama())
     quantize_frozen_(model, fmt)
@@ -89,7 +89,7 @@ def test_lora_base_is_quantized_adapters_and_head_are_not(fmt):
             assert any(t.dtype == torch.uint8 for t in p.parts.values())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4", "fp6"])
 def test_forward_and_input_gradient_equal_the_dequantized_reference(fmt):
     torch.manual_seed(0)
     model = _lora(_llama())
@@ -110,6 +110,41 @@ def test_forward_and_input_gradient_equal_the_dequantized_reference(fmt):
     assert all("lora_" in n for n in grads)  # gradients reach only the adapters
     for n, g in grads.items():
         torch.testing.assert_close(g, ref_grads[n], rtol=1e-5, atol=1e-7)
+
+
+def test_lora_on_an_fp6_base_trains_through_the_op(monkeypatch):
+    from ds_plugin.quant import frozen_weight
+
+    calls = {"forward": 0, "backward": 0}
+    real_forward, real_backward = frozen_weight.quantized_linear, frozen_weight.quantized_linear_grad_input
+
+    def forward(*args):
+        calls["forward"] += 1
+        return real_forward(*args)
+
+    def backward(*args):
+        calls["backward"] += 1
+        return real_backward(*args)
+
+    monkeypatch.setattr(frozen_weight, "quantized_linear", forward)
+    monkeypatch.setattr(frozen_weight, "quantized_linear_grad_input", backward)
+    torch.manual_seed(0)
+    model = _lora(_llama())
+    quantize_frozen_(model, "fp6")
+    codes = {n: q.parts["codes"].clone() for n, q in quantized_weights(model).items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = _tokens(batch=4)
+    losses = []
+    for _ in range(6):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+    # 14 frozen layers per step; backward reaches the 8 q/k/v/o bases' inputs and the MLPs'.
+    assert calls["forward"] == 6 * 14 and calls["backward"] >= 6 * 8
+    assert all(torch.equal(q.parts["codes"], codes[n]) for n, q in quantized_weights(model).items())
 
 
 def test_no_full_precision_copy_of_a_quantized_weight_is_saved_for_backward():
@@ -159,7 +194,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("fmt", "kwargs", "match"),
     [
-        ("fp6", {}, "FP6 kernels"),
+        ("fp6", {"group_size": 24}, "multiple of 16"),
         ("int3", {}, "not one of"),
         ("int8", {"filter_fn": lambda m, name: True}, "trainable"),
         ("int4", {"group_size": 48}, "group"),
@@ -218,7 +253,7 @@ def test_load_state_dict_of_a_full_precision_model_requantizes():
 
 
 @pytest.mark.parametrize(("build", "name"), [(_llama, "llama"), (_glm, "glm")])
-@pytest.mark.parametrize(("fmt", "limit"), [("int8", 0.025), ("int4", 0.28), ("nf4", 0.28)])
+@pytest.mark.parametrize(("fmt", "limit"), [("int8", 0.025), ("int4", 0.28), ("nf4", 0.28), ("fp6", 0.15)])
 def test_logit_error_against_the_bf16_model(build, name, fmt, limit):
     model = _lora(build(hidden=128)).to(torch.bfloat16)
     for n, p in model.named_parameters():

@@ -262,7 +262,7 @@ def test_error_messages_name_the_problem():
     )
     _one_line_error(r"K=100.*group_size=128", lambda: quantize_weight(torch.randn(2, 100), "int8"))
     _one_line_error("even", lambda: check_weight("nf4", (8, 96), 3))
-    _one_line_error("unknown weight format 'fp6'", lambda: quantize_weight(torch.randn(2, 64), "fp6"))
+    _one_line_error("unknown weight format 'fp5'", lambda: quantize_weight(torch.randn(2, 64), "fp5"))
     _one_line_error("no method 'search'", lambda: quantize_weight(torch.randn(2, 64), "nf4", method="search"))
     _one_line_error("2-D", lambda: check_weight("int8", (4, 4, 128), 128))
     _one_line_error("fp32, bf16 or fp16", lambda: quantize_weight(torch.ones(2, 128, dtype=torch.int32), "int8"))

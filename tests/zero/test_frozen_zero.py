@@ -132,7 +132,7 @@ def _reloaded_logits(fmt: str, path: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+@pytest.mark.parametrize("fmt", ["int4", "nf4", "fp6"])
 def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_path):
     adapter = str(tmp_path / "adapter")
     results = run_ranks(
@@ -178,7 +178,7 @@ def test_lower_stages_store_the_quantized_base_replicated(stage):
     assert all(r["codes_unchanged"] for r in results)
 
 
-FORMATS = ("bf16", "int8", "int4", "nf4")
+FORMATS = ("bf16", "int8", "int4", "nf4", "fp6")
 
 
 def _bytes_worker(rank: int, world: int) -> dict:
@@ -218,7 +218,7 @@ def test_frozen_bytes_and_gather_bytes_shrink_with_the_format(world):
     for r in results:
         base = r["bf16"]
         assert base["local"] == 4 * 512 * 512 * 2 // world
-        for fmt, limit in (("int8", 0.52), ("int4", 0.28), ("nf4", 0.28)):
+        for fmt, limit in (("int8", 0.52), ("int4", 0.28), ("nf4", 0.28), ("fp6", 0.40)):
             got = r[fmt]
             assert got["finite"]
             assert got["local"] <= limit * base["local"], (fmt, got["local"] / base["local"])

@@ -1,0 +1,305 @@
+"""Quantized-weight GEMM kernels vs bf16 ``torch.matmul`` on Llama-2-70B's linear shapes (``ds-plugin bench kernels``).
+
+For each weight shape N x K (q/k/v fused, o, gate/up fused, down) and each M, times ``y = x @ W.T`` with W stored
+as fp6, int4 and int8 through ``ds_plugin::quantized_linear`` (the Triton kernels, autotuned in this process), the
+same product with a bf16 W through ``torch.matmul``, and GemLite's int4 kernel when ``gemlite`` imports; at
+M = 4096 also the backward ``dx = dy @ W``. Each row gives the latency, the bf16 latency, the speedup over bf16 and
+the achieved bandwidth (weight, activation and output bytes over the latency) as a fraction of the device's peak.
+
+Times are ``triton.testing.do_bench`` medians: L2 flushed before every call, so W streams from HBM as it would in
+a model. Weights hold random codes and scales (timing does not depend on the values; the tests check the maths).
+Writes ``kernels-<device>-<date>.json`` (and ``.png`` when matplotlib imports) to ``--out-dir`` ($OUT, else
+``benchmarks/results``). Without a CUDA GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["LLAMA2_70B_SHAPES", "M_VALUES", "benchmark", "main", "peak_bandwidth", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+SKIP_MESSAGE = "needs a CUDA GPU"
+# (N, K) of Llama-2-70B's linears: fused q/k/v (8192 + 2 * 1024 kv), o, fused gate/up (2 * 28672), down.
+LLAMA2_70B_SHAPES = ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672))
+M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 4096)
+BACKWARD_M = 4096
+FORMATS = ("fp6", "int4", "int8")
+GROUP_SIZE = {"fp6": 128, "int4": 64, "int8": 128}
+# HBM bandwidth by device name, most specific first (vendor datasheets, bytes/s).
+_PEAKS = (
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+)
+
+
+def peak_bandwidth(device_name: str) -> float | None:
+    """The device's peak HBM bandwidth in bytes/s, looked up by name; None when unknown.
+
+    Args:
+        device_name: ``torch.cuda.get_device_name()``, e.g. "NVIDIA H100 80GB HBM3".
+    """
+    for key, peak in _PEAKS:
+        if key in device_name:
+            return peak
+    return None
+
+
+def _random_parts(fmt: str, n: int, k: int, device: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    group = GROUP_SIZE[fmt]
+    cols = {"fp6": 3 * k // 4, "int4": k // 2, "int8": k}[fmt]
+    parts = {
+        "codes": torch.randint(0, 256, (n, cols), generator=gen, device=device, dtype=torch.uint8),
+        "scales": (torch.rand(n, k // group, generator=gen, device=device) * 0.01 + 1e-3).to(torch.bfloat16),
+    }
+    if fmt == "int4":
+        parts["zeros"] = torch.randint(0, 256, (n, k // group), generator=gen, device=device, dtype=torch.uint8)
+    return parts
+
+
+def _median_us(fn: Any) -> float:
+    import triton.testing
+
+    fn()  # compiles and autotunes outside do_bench, whose first calls size its repetitions
+    torch.cuda.synchronize()
+    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _gemlite_int4(w_shape: tuple[int, int], device: torch.device, gen: torch.Generator) -> Any | None:
+    """A GemLite int4 (group 64) layer of this shape with random codes, or None when gemlite is unavailable."""
+    try:
+        try:
+            from gemlite import DType, GemLiteLinear
+        except ImportError:
+            from gemlite.core import DType
+            from gemlite.core import GemLiteLinearTriton as GemLiteLinear
+        n, k = w_shape
+        layer = GemLiteLinear(
+            W_nbits=4, group_size=64, in_features=k, out_features=n, input_dtype=DType.BF16, output_dtype=DType.BF16
+        )
+        codes = torch.randint(0, 16, (n, k), generator=gen, device=device, dtype=torch.uint8)
+        scales = (torch.rand(n, k // 64, generator=gen, device=device) * 0.01).to(torch.bfloat16)
+        zeros = torch.full((n, k // 64), 8.0, device=device, dtype=torch.bfloat16)
+        layer.pack(codes, scales, zeros, None)
+        return layer
+    except Exception as e:  # not installed, or an API this was not written against: leave it out
+        logger.warning("gemlite int4 left out: %s: %s", type(e).__name__, e)
+        return None
+
+
+def _row(kernel: str, n: int, k: int, m: int, kind: str, us: float, bf16_us: float, nbytes: int, peak: float | None):
+    return {
+        "kernel": kernel,
+        "N": n,
+        "K": k,
+        "M": m,
+        "pass": kind,
+        "latency_us": us,
+        "bf16_latency_us": bf16_us,
+        "speedup_vs_bf16": bf16_us / us,
+        "bandwidth_fraction": None if peak is None else nbytes / (us * 1e-6) / peak,
+    }
+
+
+def benchmark(
+    device: torch.device,
+    shapes: tuple[tuple[int, int], ...] = LLAMA2_70B_SHAPES,
+    m_values: tuple[int, ...] = M_VALUES,
+    formats: tuple[str, ...] = FORMATS,
+    gemlite: bool = True,
+    backward_m: int = BACKWARD_M,
+    on_shape: Callable[[list[dict[str, Any]]], Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Time every (format, shape, M) forward and the backward at ``backward_m``; returns the rows.
+
+    Args:
+        device: a CUDA device (the tests run it on CPU under Triton's interpreter, with a stand-in timer).
+        shapes: (N, K) weight shapes.
+        m_values: activation rows; the backward runs when ``backward_m`` is among them.
+        formats: our formats to time.
+        gemlite: also time GemLite's int4 kernel when it imports.
+        backward_m: rows of dy for the backward.
+        on_shape: called with the rows so far after each shape (``main`` writes them, so a run cut short by a
+            time limit still leaves its finished shapes).
+    """
+    peak = peak_bandwidth(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for n, k in shapes:
+        rows += _shape_rows(n, k, device, gen, m_values, formats, gemlite, peak, backward_m)
+        if on_shape is not None:
+            on_shape(rows)
+        torch.cuda.empty_cache()  # the next shape's bf16 weight reuses this one's memory
+    return rows
+
+
+def _shape_rows(
+    n: int,
+    k: int,
+    device: torch.device,
+    gen: torch.Generator,
+    m_values: tuple[int, ...],
+    formats: tuple[str, ...],
+    gemlite: bool,
+    peak: float | None,
+    backward_m: int,
+) -> list[dict[str, Any]]:
+    from ds_plugin.quant.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
+
+    w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16)
+    stored = {fmt: parts_list(fmt, _random_parts(fmt, n, k, device, gen)) for fmt in formats}
+    weight_bytes = {fmt: sum(t.numel() * t.element_size() for t in stored[fmt]) for fmt in formats}
+    gl = _gemlite_int4((n, k), device, gen) if gemlite else None
+    rows = []
+    for m in m_values:
+        x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
+        act_bytes = 2 * (m * k + m * n)
+        bf16_us = _median_us(lambda: torch.matmul(x, w.t()))  # noqa: B023 - timed before x changes
+        for fmt in formats:
+            us = _median_us(lambda f=fmt: quantized_linear(x, stored[f], f, GROUP_SIZE[f], None))  # noqa: B023
+            rows.append(_row(fmt, n, k, m, "fwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak))
+            logger.info("%s N=%d K=%d M=%d: %.1f us (bf16 %.1f us)", fmt, n, k, m, us, bf16_us)
+        if gl is not None:
+            try:
+                us = _median_us(lambda: gl(x))  # noqa: B023
+                rows.append(_row("gemlite_int4", n, k, m, "fwd", us, bf16_us, n * k // 2 + 4 * n * k // 64, peak))
+            except Exception as e:
+                logger.warning("gemlite int4 at M=%d failed: %s", m, e)
+    if backward_m in m_values:
+        dy = torch.randn(backward_m, n, generator=gen, device=device, dtype=torch.bfloat16)
+        bf16_us = _median_us(lambda: torch.matmul(dy, w))
+        act_bytes = 2 * (backward_m * n + backward_m * k)
+        for fmt in formats:
+            us = _median_us(lambda f=fmt: quantized_linear_grad_input(dy, stored[f], f, GROUP_SIZE[f], k))
+            rows.append(_row(fmt, n, k, backward_m, "bwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak))
+    return rows
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``kernels-<device>-<date>.json`` (and ``.png`` when matplotlib imports) into ``out_dir``; returns the
+    JSON's path.
+
+    Args:
+        report: ``{"device", "torch", "triton", "date", "rows"}``.
+        out_dir: the folder (created when missing).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"kernels-{_slug(report['device'])}-{report['date']}"
+    path = stem.with_suffix(".json")
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    plotted = _plot(report, stem.with_suffix(".png"))
+    print(f"wrote {path}{' and its .png' if plotted else ' (no matplotlib: no .png)'}", file=sys.stderr)
+    return path
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = sorted({(r["N"], r["K"]) for r in report["rows"]}, key=lambda s: -s[0] * s[1])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.6), squeeze=False, sharey=True)
+    for ax, (n, k) in zip(axes[0], shapes, strict=True):
+        for kernel in sorted({r["kernel"] for r in report["rows"]}):
+            pts = [
+                (r["M"], r["speedup_vs_bf16"])
+                for r in report["rows"]
+                if (r["N"], r["K"], r["kernel"], r["pass"]) == (n, k, kernel, "fwd")
+            ]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=kernel)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"N={n} K={k}")
+        ax.set_xlabel("M (tokens)")
+    axes[0][0].set_ylabel("speedup vs bf16 matmul")
+    axes[0][-1].legend()
+    fig.suptitle(f"{report['device']}: quantized-weight GEMM, forward")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the JSON (``--json``) or a table, and write the result files.
+
+    Args:
+        argv: command-line arguments (default: ``sys.argv[1:]``).
+    """
+    parser = argparse.ArgumentParser(prog="ds-plugin bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LLAMA2_70B_SHAPES), help="NxK,...")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated: fp6,int4,int8")
+    parser.add_argument("--no-gemlite", action="store_true", help="leave GemLite out even when it imports")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results", help="where files go")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            json.dumps({"skipped": SKIP_MESSAGE})
+            if args.json
+            else f"ds-plugin bench kernels {SKIP_MESSAGE}; none is visible here."
+        )
+        return 0
+    try:
+        m_values = tuple(int(v) for v in args.m.split(",") if v.strip())
+        shapes = tuple(tuple(int(d) for d in s.lower().split("x")) for s in args.shapes.split(",") if s.strip())
+    except ValueError:
+        parser.error("--m takes integers and --shapes NxK pairs")
+    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown or any(len(s) != 2 or s[1] % 128 for s in shapes):
+        parser.error(f"formats from {', '.join(FORMATS)}; K a multiple of 128 (got {unknown or args.shapes})")
+    import triton
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    date = datetime.date.today().isoformat()
+    report: dict[str, Any] = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "date": date}
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        write_report({**report, "rows": rows}, Path(args.out_dir))
+
+    rows = benchmark(device, shapes, m_values, formats, gemlite=not args.no_gemlite, on_shape=save)
+    report["rows"] = rows
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"{name}  torch {report['torch']}  triton {report['triton']}")
+    for r in rows:
+        frac = "" if r["bandwidth_fraction"] is None else f"  {r['bandwidth_fraction']:.0%} of peak"
+        print(
+            f"{r['kernel']:>12} {r['pass']} N={r['N']:>5} K={r['K']:>5} M={r['M']:>4}: {r['latency_us']:8.1f} us"
+            f"  bf16 {r['bf16_latency_us']:8.1f} us  x{r['speedup_vs_bf16']:.2f}{frac}"
+        )
+    for kernel in (*formats, "gemlite_int4"):
+        small = [r["speedup_vs_bf16"] for r in rows if (r["kernel"], r["pass"]) == (kernel, "fwd") and r["M"] <= 16]
+        if small:
+            geomean = math.exp(sum(map(math.log, small)) / len(small))
+            print(f"{kernel}: geomean speedup over bf16 at M <= 16: {geomean:.2f}x")
+    return 0

@@ -1,0 +1,161 @@
+"""FP6 e3m2 codes and their bit-plane packing: the element format behind the ``fp6`` frozen-weight format.
+
+**e3m2.** A code is 6 bits, ``s eee mm``: sign, a 3-bit exponent with bias 3 and a 2-bit mantissa. There is no
+inf and no nan, so every one of the 64 codes is a number:
+
+* ``eee > 0``: ``(-1)^s * 2^(eee - 3) * (1 + mm / 4)``, from 0.25 (the smallest normal) up to 28.0;
+* ``eee == 0``: ``(-1)^s * mm / 16`` (subnormals 0.0625, 0.125, 0.1875, and signed zeros).
+
+:func:`encode_e3m2` rounds fp32 values to the nearest code, ties to the even mantissa (``torch.round``'s rule),
+clamping magnitudes above 28 to 28; :func:`decode_e3m2` is a lookup in :data:`E3M2_VALUES`.
+
+**Packing.** 6-bit codes do not tile bytes, and a kernel wants every load aligned and power-of-two wide. So each
+row's codes (``K`` of them, a multiple of 16) are split into two planes, as FP6-LLM does (Xia et al., 2024):
+
+* the *nibble plane*, ``K / 2`` bytes: each code's low 4 bits ``e1 e0 m1 m0``;
+* the *top plane*, ``K / 4`` bytes: each code's sign and top exponent bit ``e2``;
+
+stored one after the other, so a row is ``3K / 4`` bytes (3 bytes per 4 codes) and every 16 codes own exactly
+8 bytes of the first plane and 4 of the second. Inside those bytes the bits are placed so that a kernel reading
+them as little-endian 32-bit words builds two fp16 bit patterns per 32-bit operation (3 shifts and 3 masks per
+pair of codes; see :mod:`ds_plugin.kernels.quant_linear_triton`). For code ``k = 8u + 2t + h`` of a 16-code chunk
+(``u`` in 0..1, ``t`` in 0..3, ``h`` in 0..1):
+
+* its nibble is bits ``4t + 16h .. 4t + 16h + 3`` of the chunk's nibble word ``u`` (bytes ``4u .. 4u + 3`` of
+  the chunk's 8 nibble-plane bytes);
+* its ``e2`` is bit ``4u + t + 16h`` and its sign bit ``8 + 4u + t + 16h`` of the chunk's top word (its 4
+  top-plane bytes).
+
+Byte ``j`` of a word is its bits ``8j .. 8j + 7``. Every bit of the 12 bytes belongs to exactly one code, so the
+packing is a bijection between 16 codes and 12 bytes (checked over random bytes in ``tests/quant/test_fp6.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CHUNK",
+    "E3M2_MAX",
+    "E3M2_MIN_NORMAL",
+    "E3M2_VALUES",
+    "decode_e3m2",
+    "encode_e3m2",
+    "pack_fp6",
+    "packed_cols",
+    "unpack_fp6",
+]
+
+E3M2_MAX = 28.0
+E3M2_MIN_NORMAL = 0.25
+_BIAS = 3
+_SIGN_BIT = 5
+# Codes per packing unit: 16 nibbles fill two 32-bit words and 16 (sign, e2) pairs one more.
+CHUNK = 16
+
+
+def _code_values() -> Tensor:
+    codes = torch.arange(64)
+    exponent, mantissa = (codes >> 2) & 7, codes & 3
+    normal = torch.ldexp(1 + mantissa / 4, exponent - _BIAS)
+    magnitude = torch.where(exponent == 0, mantissa / 16, normal)
+    return torch.where(codes >= 32, -magnitude, magnitude).float()
+
+
+# Value of each code, indexed by the code: exact in fp32, bf16 and fp16 (at most 3 significant bits).
+E3M2_VALUES = _code_values()
+
+# Per position k = 8u + 2t + h of a chunk: where its nibble sits in its nibble word, and its e2 / sign bits in the
+# top word (module docstring).
+_K = torch.arange(CHUNK)
+_U, _T, _H = _K // 8, (_K % 8) // 2, _K % 2
+_NIBBLE_SHIFT = (4 * _T + 16 * _H).view(2, 8)
+_E2_SHIFT = 4 * _U + _T + 16 * _H
+_SIGN_SHIFT = 8 + _E2_SHIFT
+
+
+def encode_e3m2(values: Tensor) -> Tensor:
+    """The nearest e3m2 code (ties to even) of each value, as uint8 in 0..63.
+
+    Args:
+        values: finite values of any float dtype (computed in fp32); magnitudes above 28 clamp to 28.
+    """
+    y = values.float()
+    a = y.abs().clamp(max=E3M2_MAX)
+    # frexp is exact: a = f * 2^e with f in [0.5, 1), so floor(log2 a) = e - 1. Below 0.25 the step is that of the
+    # first binade (1/16), which the subnormals share, hence the clamp from below.
+    _, e = torch.frexp(a)
+    binade = torch.where(a < E3M2_MIN_NORMAL, -2, (e - 1).clamp(max=4))
+    # a / step is exact (a power-of-two scaling); round() is half to even. A carry to 8 steps is the next binade's
+    # first code, which the sum below lands on: code = 4 * (binade + 2) + steps.
+    steps = torch.round(torch.ldexp(a, 2 - binade))
+    magnitude = (4 * (binade + 2) + steps.to(binade.dtype)).to(torch.uint8)
+    return magnitude | (torch.signbit(y).to(torch.uint8) << _SIGN_BIT)
+
+
+def decode_e3m2(codes: Tensor) -> Tensor:
+    """The fp32 value of each e3m2 code (uint8, 0..63).
+
+    Args:
+        codes: uint8 codes; bits above the sixth are ignored.
+    """
+    return E3M2_VALUES.to(codes.device)[(codes & 63).long()]
+
+
+def packed_cols(k: int) -> int:
+    """Bytes per packed row of ``k`` codes (``k`` a multiple of :data:`CHUNK`).
+
+    Args:
+        k: codes per row.
+    """
+    return 3 * k // 4
+
+
+def _words_to_bytes(words: Tensor) -> Tensor:
+    # Little-endian, spelled out (byte j = bits 8j..8j+7) rather than left to the host's byte order.
+    return torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1).to(torch.uint8).flatten(-2)
+
+
+def _bytes_to_words(data: Tensor) -> Tensor:
+    b = data.long().unflatten(-1, (data.shape[-1] // 4, 4))
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def pack_fp6(codes: Tensor) -> Tensor:
+    """Pack ``(N, K)`` e3m2 codes into ``(N, 3K/4)`` bytes: the nibble plane, then the top plane, per row.
+
+    Args:
+        codes: uint8 codes (0..63), ``K`` a multiple of :data:`CHUNK`.
+    """
+    n_rows, k = codes.shape
+    if k % CHUNK:
+        raise ValueError(f"fp6 packs codes in chunks of {CHUNK}, got a row of {k}")
+    c = codes.long().view(n_rows, k // CHUNK, CHUNK)
+    dev = codes.device
+    nibble_words = ((c & 15).view(n_rows, k // CHUNK, 2, 8) << _NIBBLE_SHIFT.to(dev)).sum(
+        -1
+    )  # disjoint bits: sum == or
+    top_words = ((((c >> 4) & 1) << _E2_SHIFT.to(dev)) | ((c >> _SIGN_BIT) << _SIGN_SHIFT.to(dev))).sum(-1)
+    nibbles = _words_to_bytes(nibble_words.view(n_rows, k // 8))
+    tops = _words_to_bytes(top_words)
+    return torch.cat([nibbles, tops], dim=1).contiguous()
+
+
+def unpack_fp6(packed: Tensor) -> Tensor:
+    """The ``(N, K)`` uint8 codes that :func:`pack_fp6` packed into ``(N, 3K/4)`` bytes.
+
+    Args:
+        packed: uint8, ``3K/4`` bytes per row (any row stride).
+    """
+    n_rows, cols = packed.shape
+    k = cols * 4 // 3
+    if cols % 3 or k % CHUNK:
+        raise ValueError(f"an fp6 row packs a multiple of {CHUNK} codes into 3/4 as many bytes, got {cols} bytes")
+    dev = packed.device
+    nibble_words = _bytes_to_words(packed[:, : k // 2]).view(n_rows, k // CHUNK, 2, 1)
+    top_words = _bytes_to_words(packed[:, k // 2 :]).view(n_rows, k // CHUNK, 1)
+    nibbles = ((nibble_words >> _NIBBLE_SHIFT.to(dev)) & 15).flatten(2)
+    e2 = (top_words >> _E2_SHIFT.to(dev)) & 1
+    sign = (top_words >> _SIGN_SHIFT.to(dev)) & 1
+    return ((sign << _SIGN_BIT) | (e2 << 4) | nibbles).to(torch.uint8).view(n_rows, k)

@@ -1,0 +1,407 @@
+"""The fp6 / int4 / int8 GEMM kernels and the ``ds_plugin::quantized_linear`` op, against their torch references.
+
+On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET`` set per test; the kernels are jitted per
+mode): tiny shapes, a few tilings chosen to hit M = 1, odd M, N not a multiple of the tile, K not a multiple of
+BLOCK_K, split-K and both ways of scaling. Interpreted bf16 rounds by truncation where compiled kernels round to
+nearest, so outputs are held to one rounding of W and one of y (``_check``); the GPU tests compare compiled kernels
+the same way, on the shapes and tilings they run for real.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from ds_plugin.kernels import quant_linear_reference as ref
+from ds_plugin.kernels import quant_linear_triton as qlt
+from ds_plugin.quant import linear_op
+from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
+
+FORMATS = ["fp6", "int4", "int8"]
+DTYPES = [torch.bfloat16, torch.float16]
+# Two roundings, of W's element and of y's: an ulp each (2^-7 relative) for bf16, which the interpreter truncates;
+# half an ulp each (2^-11) for fp16, which it rounds to nearest like compiled kernels.
+EPS = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-10}
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert qlt.interpreter_enabled()
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _parts(fmt: str, n: int, k: int, group: int, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-1, 1, n)[:, None]  # rows of different magnitudes
+    return {name: t.to(device) for name, t in quantize_weight(w, fmt, group).items()}
+
+
+def _args(fmt: str, parts: dict[str, torch.Tensor]) -> tuple:
+    return parts["codes"], parts["scales"], parts.get("zeros")
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """``got`` is ``x @ w.T + bias`` up to one rounding of each weight and of the output, in x's dtype."""
+    want = x.float() @ w.float().T + (0 if bias is None else bias.float())
+    bound = EPS[x.dtype] * (x.float().abs() @ w.float().abs().T + (0 if bias is None else bias.float().abs()))
+    assert got.dtype == x.dtype and got.shape == want.shape
+    excess = ((got.float() - want).abs() - bound - 1e-6).max().item()
+    assert excess <= 0, excess
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_references_equal_the_format_bit_for_bit(fmt):
+    # Two readings of the layouts: the kernels' bit operations (in torch) and the format's own unpacking.
+    group = 64 if fmt == "int4" else 32
+    parts = _parts(fmt, 24, 192, group)
+    for dtype in (*DTYPES, torch.float32):
+        want = dequantize_weight(parts, fmt, group, dtype)
+        got = ref.dequantize_reference(fmt, *_args(fmt, parts), group, 192, dtype)
+        if dtype != torch.float32:  # the GEMM reference on the same weight
+            x = torch.randn(3, 192).to(dtype)
+            assert torch.equal(ref.linear_reference(x, fmt, *_args(fmt, parts), group, None), F.linear(x, want))
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert got.dtype == dtype and torch.equal(got.view(bits), want.view(bits)), dtype
+
+
+# (M, N, K, group, tiling): the interpreted tiling is 16 x 32 x 32; N = 40 leaves a partial column tile.
+FORWARD_CASES = [
+    (1, 40, 96, 32, None),  # post-scaled tiles, one group each
+    (5, 40, 96, 32, qlt.Config(16, 32, 64, post_scale=False)),  # K = 96 is not a multiple of BLOCK_K = 64
+    (17, 24, 64, 16, qlt.Config(16, 32, 32, split_k=2)),  # two row tiles; BLOCK_K cut to the group of 16; split-K
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interpreted_forward_matches_reference(interpreter, fmt, dtype):
+    for m, n, k, group, config in FORWARD_CASES:
+        parts = _parts(fmt, n, k, group, seed=m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        bias = torch.randn(n) if m == 1 else None
+        got = qlt.linear_forward(x, fmt, *_args(fmt, parts), group, bias, config=config)
+        _check(got, x, dequantize_weight(parts, fmt, group, torch.float32), bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interpreted_backward_matches_reference(interpreter, fmt, dtype):
+    # N = 40 is the reduction here: a partial 32-row step; K = 96 against 64-wide output tiles in the second case.
+    for m, config in ((1, None), (5, qlt.Config(16, 32, 64))):
+        parts = _parts(fmt, 40, 96, 32, seed=m)
+        dy = torch.randn(m, 40, generator=torch.Generator().manual_seed(m)).to(dtype)
+        got = qlt.linear_backward(dy, fmt, *_args(fmt, parts), 32, 96, config=config)
+        _check(got, dy, dequantize_weight(parts, fmt, 32, torch.float32).T)
+
+
+def _gathered(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The components as FSDP2's all-gather leaves them (``QuantizedWeight.fsdp_post_all_gather``): strided views
+    into one byte buffer, widest first, so the codes start 2 * K / group bytes in (here off 4-byte alignment)."""
+    rows = parts["codes"].shape[0]
+    names = sorted(parts, key=lambda n: -parts[n].element_size())
+    cols = [parts[n].contiguous().view(torch.uint8).view(rows, -1) for n in names]
+    width = sum(c.shape[1] for c in cols)
+    packed = torch.cat([*cols, torch.zeros(rows, -width % 4, dtype=torch.uint8)], dim=1)
+    out, offset = {}, 0
+    for name, col in zip(names, cols, strict=True):
+        out[name] = packed[:, offset : offset + col.shape[1]].view(parts[name].dtype)
+        offset += col.shape[1]
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interpreted_kernels_read_gathered_views(interpreter, fmt):
+    parts = _parts(fmt, 40, 96, 32)
+    views = _gathered(parts)
+    assert not views["codes"].is_contiguous() and views["codes"].data_ptr() % 4  # 3 bf16 scales: 6 bytes in
+    x = torch.randn(3, 96).half()
+    want = qlt.linear_forward(x, fmt, *_args(fmt, parts), 32)
+    assert torch.equal(qlt.linear_forward(x, fmt, *_args(fmt, views), 32), want)
+    _check(want, x, ref.dequantize_reference(fmt, *_args(fmt, views), 32, 96, torch.float32))
+    dy = torch.randn(3, 40).half()
+    _check(
+        qlt.linear_backward(dy, fmt, *_args(fmt, views), 32, 96),
+        dy,
+        ref.linear_backward_reference(torch.eye(40), fmt, *_args(fmt, views), 32, 96).T,
+    )
+    assert torch.equal(
+        ref.dequantize_reference(fmt, *_args(fmt, views), 32, 96, x.dtype), dequantize_weight(parts, fmt, 32, x.dtype)
+    )
+
+
+def test_the_op_runs_the_kernels_under_the_interpreter_with_autograd(interpreter, monkeypatch):
+    parts = _parts("fp6", 40, 96, 32)
+    calls = []
+    for name in ("linear_forward", "linear_backward"):
+        real = getattr(qlt, name)
+        monkeypatch.setattr(qlt, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 96, generator=g).bfloat16().requires_grad_()
+    bias = torch.randn(40, generator=g, requires_grad=True)
+    y = linear_op.quantized_linear(x, linear_op.parts_list("fp6", parts), "fp6", 32, bias)
+    w = dequantize_weight(parts, "fp6", 32, torch.float32)
+    _check(y.view(6, 40), x.detach().view(6, 96), w, bias.detach())
+    dy = torch.randn(2, 3, 40, generator=g).bfloat16()
+    y.backward(dy)
+    assert calls == ["linear_forward", "linear_backward"]
+    _check(x.grad.view(6, 96), dy.view(6, 40), w.T)
+    torch.testing.assert_close(bias.grad, dy.float().sum((0, 1)), rtol=2**-7, atol=2**-5)  # a bf16 sum
+
+
+def test_dispatch_rules(monkeypatch):
+    x = torch.randn(2, 64).bfloat16()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert linear_op.kernel_backend(x, "fp6", 64, 16) is None  # CPU: the reference
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert linear_op.kernel_backend(x, "fp6", 64, 16) is qlt
+    assert linear_op.kernel_backend(x, "nf4", 64, 16) is None  # NF4 stays on the reference
+    assert linear_op.kernel_backend(x.float(), "int8", 64, 16) is None  # fp32 activations: the reference
+    assert not qlt.supports("int4", torch.bfloat16, 36, 12)  # codes are read as 32-bit words: K % 8
+    assert qlt.supports("int8", torch.float16, 36, 12)
+
+
+def test_a_failing_first_launch_falls_back_to_the_reference(monkeypatch, caplog):
+    class Broken:
+        @staticmethod
+        def forward_configs(*args):
+            return [None]
+
+        @staticmethod
+        def linear_forward(*args, **kwargs):
+            raise RuntimeError("no such device feature")
+
+    monkeypatch.setattr(linear_op, "kernel_backend", lambda t, fmt, *a: None if fmt == "nf4" else Broken)
+    monkeypatch.setattr(linear_op, "interpreter_requested", lambda: False)
+    monkeypatch.setattr(linear_op, "_state", {"verified": set(), "failed": {}, "tuned": {}})
+    parts = _parts("int8", 8, 32, 32)
+    x = torch.randn(2, 32)
+    y = linear_op.quantized_linear(x, linear_op.parts_list("int8", parts), "int8", 32, None)
+    assert torch.equal(y, F.linear(x, dequantize_weight(parts, "int8", 32, torch.float32)))
+    assert ("fwd", "int8", torch.float32) in linear_op._state["failed"] and "first use" in caplog.text
+
+
+@pytest.mark.parametrize(("fmt", "method"), [("fp6", "default"), ("int4", "default"), ("int8", "default"),
+                                              ("nf4", "double_quant"), ("nf4", "no_double_quant")])  # fmt: skip
+def test_opcheck(fmt, method):
+    group = 32
+    parts = quantize_weight(torch.randn(24, 64), fmt, group, method=method)
+    tensors = linear_op.parts_list(fmt, parts)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True)
+    torch.library.opcheck(torch.ops.ds_plugin.quantized_linear.default, (x, tensors, fmt, group, bias))
+    torch.library.opcheck(torch.ops.ds_plugin.quantized_linear.default, (x.detach(), tensors, fmt, group, None))
+    dy = torch.randn(5, 24, requires_grad=True)
+    torch.library.opcheck(torch.ops.ds_plugin.quantized_linear_grad_input.default, (dy, tensors, fmt, group, 64))
+
+
+def test_torch_compile_sees_one_opaque_op():
+    parts = _parts("fp6", 24, 64, 32)
+    tensors = linear_op.parts_list("fp6", parts)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def layer(x):
+        return torch.relu(linear_op.quantized_linear(x, tensors, "fp6", 32, None))
+
+    x = torch.randn(4, 64)
+    assert torch.equal(layer(x), torch.relu(F.linear(x, dequantize_weight(parts, "fp6", 32, torch.float32))))
+    targets = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.ds_plugin.quantized_linear.default) == 1, targets
+    assert not any("mm" in str(t) or "linear" in str(t).split(".")[-1] for t in targets if "ds_plugin" not in str(t))
+
+
+def test_a_compiled_model_calls_the_op_in_forward_and_backward():
+    # torch.compile over a model whose frozen weights are QuantizedWeight: AOT autograd traces through the
+    # subclass's F.linear, and the graphs hold the two opaque ops, never the dequantized weight's matmul.
+    from torch._dynamo.backends.common import aot_autograd
+
+    from ds_plugin import quantize_frozen_
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    quantize_frozen_(model.requires_grad_(False), "fp6", group_size=16, filter_fn=lambda m, name: True)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    compiled_model = torch.compile(
+        model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True
+    )
+    x = torch.randn(4, 64, requires_grad=True)
+    y = compiled_model(x)
+    y.sum().backward()
+    assert torch.equal(y, model(x))
+    forward, backward = graphs
+    assert forward.count(torch.ops.ds_plugin.quantized_linear.default) == 2
+    assert backward.count(torch.ops.ds_plugin.quantized_linear_grad_input.default) == 2
+    assert not any("mm" in str(t) for t in forward + backward)
+
+
+def test_kernels_are_jitted_per_mode(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted = qlt._jit(qlt._fwd_kernel)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    compiled_kernel = qlt._jit(qlt._fwd_kernel)
+    assert type(interpreted) is not type(compiled_kernel)
+    assert qlt._jit(qlt._fwd_kernel) is compiled_kernel
+
+
+def _compile_for_hopper(kernel, fmt: str, dtype: str, cfg, forward: bool) -> Any:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    io = ("x_ptr", "y_ptr") if forward else ("dy_ptr", "dx_ptr")
+    sig = {io[0]: f"*{dtype}", "w_ptr": "*i8" if fmt == "int8" else "*i32", "s_ptr": "*i16", "z_ptr": "*u8"}
+    sig.update({"b_ptr": "*fp32"} if forward else {})
+    sig.update({io[1]: f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "hi_off": "i32"})
+    sig.update(
+        {
+            f"stride_{a}": "i32"
+            for a in (("xm", "wn", "sn", "zn", "ym") if forward else ("dym", "wn", "sn", "zn", "dxm"))
+        }
+    )
+    const = {"FMT": qlt._FMT_ID[fmt], "G": 128, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": 8, "WIDEN": False}
+    if forward:
+        const.update(POST_SCALE=cfg.post_scale, HAS_BIAS=True, SPLIT_K=cfg.split_k)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    # What a launch specialises on: 16-byte aligned pointers, and strides / K divisible by 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if sig[name][0] == "*" or "stride" in name}
+    source = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def test_kernels_compile_for_hopper_without_a_gpu(compiled):
+    # The interpreter never runs Triton's compiler, whose rules differ (static branches, types, layouts); this
+    # builds sm_90 cubins on CPU with the ptxas triton ships, so those errors show up without a GPU.
+    pytest.importorskip("triton.backends.nvidia")
+    fwd, bwd = qlt._jit(qlt._fwd_kernel), qlt._jit(qlt._bwd_kernel)
+    try:
+        _compile_for_hopper(fwd, "int8", "bf16", qlt.forward_configs(1, 128, 8192)[0], True)
+    except (FileNotFoundError, RuntimeError) as e:  # no ptxas in this triton build
+        if "ptxas" in str(e):
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        raise
+    _compile_for_hopper(fwd, "fp6", "bf16", qlt.forward_configs(1, 128, 8192)[0], True)
+    _compile_for_hopper(fwd, "int4", "fp16", qlt.forward_configs(4096, 128, 8192)[2], True)
+    _compile_for_hopper(bwd, "fp6", "fp16", qlt.backward_configs(4096)[0], False)
+
+
+# ----------------------------------------------------------------------------------------- compiled, on a GPU
+
+GPU_SHAPES = [(1, 200, 384), (7, 200, 384), (16, 1000, 512), (33, 200, 384), (300, 520, 640)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_kernels_match_reference(compiled, fmt, dtype):
+    group = 64 if fmt == "int4" else 128
+    for m, n, k in GPU_SHAPES:
+        parts = _parts(fmt, n, k, group, seed=m, device="cuda")
+        w = dequantize_weight(parts, fmt, group, torch.float32)
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        bias = torch.randn(n, device="cuda")
+        configs = qlt.forward_configs(m, group, k)
+        # bf16: the first guess, a split-K and a per-element tiling; fp16 the first only (each tiling is a compile).
+        others = [c for c in configs if c.split_k > 1 or not c.post_scale][:2] if dtype == torch.bfloat16 else []
+        for config in configs[:1] + others:
+            _check(qlt.linear_forward(x, fmt, *_args(fmt, parts), group, bias, config=config), x, w, bias)
+        dy = torch.randn(m, n, device="cuda").to(dtype)
+        _check(qlt.linear_backward(dy, fmt, *_args(fmt, parts), group, k), dy, w.T)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_per_element_weights_equal_the_reference_bit_for_bit(compiled, fmt):
+    # x = identity rows: y = W's rows, as the per-element path rounds them (the reference's one rounding).
+    group = 64 if fmt == "int4" else 128
+    parts = _parts(fmt, 64, 256, group, device="cuda")
+    eye = torch.eye(256, device="cuda", dtype=torch.bfloat16)
+    config = qlt.Config(64, 64, 64, post_scale=False)
+    got = qlt.linear_forward(eye, fmt, *_args(fmt, parts), group, config=config)
+    assert torch.equal(got.T, dequantize_weight(parts, fmt, group, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_frozen_linear_on_cuda_goes_through_the_kernels(compiled, fmt, monkeypatch):
+    from ds_plugin import quantize_frozen_
+
+    calls = []
+    real = qlt.linear_forward
+    monkeypatch.setattr(qlt, "linear_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    layer = torch.nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    quantize_frozen_(layer, fmt, filter_fn=lambda m, name: True)
+    x = torch.randn(4, 9, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().square().sum().backward()
+    assert calls
+    w = layer.weight.dequantize(torch.float32)
+    _check(y.view(36, 384), x.detach().view(36, 512), w, layer.bias)
+    _check(x.grad.view(36, 512), (2 * y.float()).to(y.dtype).view(36, 384), w.T)
+
+
+# ------------------------------------------------------------------------------------------ ds-plugin bench kernels
+
+
+def test_bench_kernels_without_a_gpu_says_so(monkeypatch, capsys):
+    from ds_plugin.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "kernels", "--json"]) == 0
+    assert '"skipped"' in capsys.readouterr().out
+
+
+def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
+    # The whole timing loop on CPU: Triton's interpreter for the kernels, a stand-in timer for do_bench.
+    from ds_plugin.bench import kernels as bench
+
+    ticks = iter(range(1, 1000))
+    monkeypatch.setattr(bench, "_median_us", lambda fn: fn() is None or float(next(ticks)))
+    rows = bench.benchmark(torch.device("cpu"), ((32, 128),), (1, 3), gemlite=False, backward_m=3)
+    keys = ["kernel", "N", "K", "M", "pass", "latency_us", "bf16_latency_us", "speedup_vs_bf16", "bandwidth_fraction"]
+    assert all(list(r) == keys for r in rows)
+    assert [(r["kernel"], r["M"], r["pass"]) for r in rows] == [
+        *[(f, m, "fwd") for m in (1, 3) for f in ("fp6", "int4", "int8")],
+        *[(f, 3, "bwd") for f in ("fp6", "int4", "int8")],
+    ]
+    assert rows[0]["speedup_vs_bf16"] == rows[0]["bf16_latency_us"] / rows[0]["latency_us"]
+    assert bench.peak_bandwidth("NVIDIA H200") == 4.8e12 and bench.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    report = {"device": "NVIDIA H100 80GB HBM3", "torch": "2", "triton": "3", "date": "2026-01-02", "rows": rows}
+    path = bench.write_report(report, tmp_path)
+    assert path.name == "kernels-nvidia-h100-80gb-hbm3-2026-01-02.json"
+    assert list(json.loads(path.read_text())) == ["device", "torch", "triton", "date", "rows"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_opcheck_on_the_kernel_path(compiled):
+    parts = _parts("fp6", 200, 384, 128, device="cuda")
+    tensors = linear_op.parts_list("fp6", parts)
+    x = torch.randn(2, 3, 384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(200, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.ds_plugin.quantized_linear.default, (x, tensors, "fp6", 128, bias))
+    dy = torch.randn(6, 200, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.ds_plugin.quantized_linear_grad_input.default, (dy, tensors, "fp6", 128, 384))
