@@ -1,0 +1,272 @@
+"""P-Tuning v2 the ChatGLM way: prefix tuning of a frozen GLM under ZeRO-3 with bf16, on CPU with 2 processes.
+
+    torchrun --standalone --nproc-per-node 2 examples/chatglm_ptuning.py [--pre-seq-len 32] [--prefix-projection]
+        [--stage 2|3] [--frozen-format none|int8|int4|nf4] [--model PATH] [--smoke]
+
+As in ChatGLM's ptuning/ (ADGEN: attributes in, one line of ad copy out), `pre_seq_len` trained key/value vectors
+are prepended to every attention layer (peft's `PrefixTuningConfig`, `num_virtual_tokens=pre_seq_len`), optionally
+produced by a two-layer MLP (`--prefix-projection`); the GLM itself (`GlmForCausalLM`, native in transformers) is
+frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl. By default
+the GLM is a tiny random one built from a config and the text is read as bytes (nothing is downloaded);
+`--model PATH` loads a local checkpoint and its tokenizer instead. At the end the saved prefix is reloaded onto a
+fresh base and must reproduce the trained model's greedy generations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import PeftModel, PrefixTuningConfig, get_peft_model
+from tqdm import tqdm
+
+import ds_plugin
+
+DATA = Path(__file__).parent / "data" / "adgen_tiny.jsonl"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values, peft still uses it
+
+
+class ByteTokenizer:
+    """Bytes as token ids, with three ids the text never uses; stands in for a checkpoint's tokenizer."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([self.bos_token_id] if add_special_tokens else []) + list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i > 2).decode(errors="replace")
+
+
+def build_base(model_path: str | None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM), or the same tiny random GLM on every call."""
+    if model_path:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)  # frozen: stored in the compute dtype
+    from transformers import GlmConfig, GlmForCausalLM
+
+    torch.manual_seed(0)
+    # GLM-4's layout in miniature: grouped-query attention, partial rotary, biased qkv. initializer_range 0.05:
+    # with a random head of the default 0.02 every logit stays near zero and no prefix could sharpen them.
+    config = GlmConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                       initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return GlmForCausalLM(config)
+
+
+def encode_row(tok, row: dict) -> tuple[list[int], list[int]]:
+    """ChatGLM's layout: the prompt (labels -100), then the answer and EOS, which the loss is taken on."""
+    prompt = tok.encode(f"{row['content']}\nAd: ")
+    answer = [*tok.encode(row["summary"], add_special_tokens=False), tok.eos_token_id]
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def collate(tok, rows: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pairs = [encode_row(tok, r) for r in rows]
+    width = max(len(ids) for ids, _ in pairs)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in pairs], device=device)
+    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in pairs], device=device)
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in pairs], device=device)
+    return ids, labels, mask
+
+
+def answer_loss(model, ids, labels, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed loss, correct next-token count and token count on the answer tokens."""
+    # The mask covers the real tokens only; peft prepends ones for the pre_seq_len prefix positions, so every
+    # token attends to the whole prefix (as ChatGLM's own prefix_attention_mask does) and never to padding.
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    target = labels[:, 1:]
+    keep = target != -100
+    loss = F.cross_entropy(logits[keep], target[keep], reduction="sum")
+    return loss, (logits.argmax(-1)[keep] == target[keep]).sum().float(), keep.sum().float()
+
+
+@torch.no_grad()
+def held_out_loss(model, tok, rows: list[dict], device: torch.device) -> tuple[float, float]:
+    """Mean answer loss and next-token accuracy over the held-out rows, each rank taking its share."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, labels, mask = collate(tok, rows[rank::world], device)
+    totals = torch.stack(answer_loss(model, ids, labels, mask))
+    dist.all_reduce(totals)
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+@torch.no_grad()
+def generate(model, tok, content: str, device: torch.device, new_tokens: int = 48) -> str:
+    """Greedy, one prompt, no KV cache: the prefix is re-attached every step. A fixed number of steps, so every
+    rank runs the same forwards (each ZeRO-3 forward is a collective)."""
+    ids = torch.tensor([tok.encode(f"{content}\nAd: ")], device=device)
+    start = ids.shape[1]
+    for _ in range(new_tokens):
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
+        ids = torch.cat([ids, logits.argmax().view(1, 1)], 1)
+    out = ids[0, start:].tolist()
+    return tok.decode(out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out, skip_special_tokens=True)
+
+
+def check_reload(args, tok, path: Path, rows: list[dict], trained_logits, prompts, trained_text, device) -> float:
+    """Rank 0: a fresh base stored as in training (compute dtype, same frozen format) plus the saved prefix must
+    give the trained model's logits and generations. Returns how far padding one row moves its logits, which
+    is zero only when the attention mask covers the prefix and hides the padding."""
+    model = PeftModel.from_pretrained(build_base(args.model), path).to(device).eval()
+    for p in model.parameters():  # parameters only: the engine keeps buffers (rotary inv_freq) in fp32 too
+        p.data = p.data.to(DTYPES[args.precision])
+    if args.frozen_format != "none":
+        ds_plugin.quantize_frozen_(model, args.frozen_format)
+    ids, _, mask = collate(tok, rows, device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    keep = mask.bool()
+    diff = (logits - trained_logits)[keep].abs().max().item()
+    tolerance = 1e-4 if args.precision == "fp32" else 0.1 * logits[keep].abs().max().item() * 2**-8
+    assert diff <= tolerance, f"the reloaded prefix's logits differ from the trained model's by {diff}"
+    again = [generate(model, tok, p, device) for p in prompts]
+    assert again == trained_text, f"the reloaded prefix generates {again}, the trained one {trained_text}"
+    short = int(mask.sum(1).argmin())
+    length = int(mask[short].sum())
+    with torch.no_grad():
+        alone = model(input_ids=ids[short : short + 1, :length]).logits[0].float()
+    return (alone - logits[short, :length]).abs().max().item()
+
+
+def plot(losses: list[float], evals: list[tuple[int, float]], title: str, path: Path) -> None:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(losses, lw=0.8, label="train answer loss (mean over ranks)")
+    ax.plot(*zip(*evals, strict=True), marker="o", label="held-out answer loss")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"loss curve: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a local GLM checkpoint (default: a tiny random GLM)")
+    parser.add_argument("--pre-seq-len", type=int, default=32, help="prefix length (ChatGLM's PRE_SEQ_LEN)")
+    parser.add_argument("--prefix-projection", action="store_true", help="produce the prefix with a 2-layer MLP")
+    parser.add_argument("--stage", type=int, default=3, choices=[2, 3])
+    # bf16 as ChatGLM trains; a CPU without bf16 matrix units (no AVX512-BF16/AMX) runs it ~8x slower than fp32.
+    native_bf16 = torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    parser.add_argument(
+        "--precision",
+        default="bf16" if native_bf16 else "fp32",
+        choices=["bf16", "fp32"],
+        help="compute dtype (default bf16 on GPUs and CPUs with bf16 units, else fp32)",
+    )
+    parser.add_argument("--frozen-format", default="none", choices=["none", "int8", "int4", "nf4"])
+    parser.add_argument("--steps", type=int, default=None, help="default 500 (--smoke: 60)")
+    parser.add_argument("--lr", type=float, default=2e-2, help="ChatGLM's P-Tuning v2 default")
+    parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank per step")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/chatglm_ptuning"))
+    parser.add_argument("--smoke", action="store_true", help="a short run that asserts the held-out loss went down")
+    args = parser.parse_args()
+    args.steps = args.steps or (60 if args.smoke else 500)
+    start = time.perf_counter()
+
+    # Two processes share two cores: one thread each avoids oversubscription.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    gpu = torch.cuda.is_available()
+    dist.init_process_group("nccl" if gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    train, held_out = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "test"]
+    samples = [r["content"] for r in held_out[:3]]
+    if args.model:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+    else:
+        tok = ByteTokenizer()
+
+    base = build_base(args.model, DTYPES[args.precision])
+    # ChatGLM's PrefixEncoder: an embedding of pre_seq_len rows, each the keys and values of every layer; with the
+    # projection, a smaller embedding through Linear(hidden) -> tanh -> Linear(layers * 2 * kv width).
+    peft_config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.pre_seq_len,
+                                     prefix_projection=args.prefix_projection,
+                                     encoder_hidden_size=base.config.hidden_size)  # fmt: skip
+    model = get_peft_model(base, peft_config).to(device)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    before_text = [generate(model.eval(), tok, s, device) for s in samples] if rank == 0 else []  # plain model: local
+    # bf16 compute over fp32 masters of the prefix encoder; the frozen GLM is stored bf16 (or quantized) and
+    # sharded. Only the prefix encoder gets a master copy, gradients and Adam state.
+    config = {"zero_optimization": {"stage": args.stage, "frozen_format": args.frozen_format},
+              "bf16": {"enabled": args.precision == "bf16"}, "gradient_clipping": 1.0}  # fmt: skip
+    engine = ds_plugin.initialize(model, config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1 - s / args.steps)  # ChatGLM's decay
+
+    evals = [(0, *held_out_loss(engine, tok, held_out, device))]
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    bar = tqdm(range(args.steps), desc=f"P-Tuning v2, ZeRO-{args.stage} x{world}", disable=rank != 0)
+    for step in bar:
+        engine.train()
+        # Every rank draws the same global batch and keeps its slice.
+        picks = torch.randint(len(train), (args.micro_batch * world,), generator=gen)[rank::world].tolist()
+        ids, labels, mask = collate(tok, [train[i] for i in picks], device)
+        loss_sum, _, count = answer_loss(engine, ids, labels, mask)
+        loss = loss_sum / count
+        engine.backward(loss)
+        engine.step()
+        sched.step()
+        shown = loss.detach().clone()
+        dist.all_reduce(shown, op=dist.ReduceOp.AVG)
+        losses.append(shown.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if (step + 1) % max(1, args.steps // 5) == 0 or step + 1 == args.steps:
+            evals.append((step + 1, *held_out_loss(engine.eval(), tok, held_out, device)))
+            bar.write(f"step {step + 1:4d}  held-out loss {evals[-1][1]:.3f}  next-token accuracy {evals[-1][2]:.2f}")
+
+    engine.eval()
+    # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 keeps them for the reload check.
+    after_text = [generate(engine, tok, s, device) for s in samples]
+    ids, _, mask = collate(tok, held_out[:4], device)
+    with torch.no_grad():
+        trained_logits = engine(input_ids=ids, attention_mask=mask).logits.float()
+    path = ds_plugin.save_adapter(engine, args.out_dir / "prefix")  # only the prefix encoder's output is written
+    if rank == 0:
+        pad_diff = check_reload(args, tok, path, held_out[:4], trained_logits, samples, after_text, device)
+        (before, acc0), (after, acc1) = evals[0][1:], evals[-1][1:]
+        plot(losses, [(s, v) for s, v, _ in evals], f"P-Tuning v2 (pre_seq_len {args.pre_seq_len}), GLM, ZeRO-"
+             f"{args.stage} {args.precision}", args.out_dir / "chatglm_ptuning.png")  # fmt: skip
+        print(f"\nGLM {total - trainable:,} frozen parameters, prefix encoder {trainable:,} trained; ZeRO-{args.stage}"
+              f" {args.precision}, frozen {args.frozen_format}, {world} ranks")  # fmt: skip
+        print(f"held-out answer loss {before:.3f} -> {after:.3f}, next-token accuracy {acc0:.2f} -> {acc1:.2f}")
+        for s, b, a in zip(samples, before_text, after_text, strict=True):
+            print(f"  {s}\n    before: {b!r}\n    after:  {a!r}")
+        print(f"prefix saved to {path}; on a fresh base: the same logits and generations (padding a row moves its "
+              f"logits by {pad_diff:.1e})")  # fmt: skip
+        summary = {"recipe": "chatglm_ptuning", "metric": "heldout_answer_loss", "before": before, "after": after,
+                   "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+        (args.out_dir / "summary.json").write_text(json.dumps({**summary, "evals": evals, "after_text": after_text}))
+        print(json.dumps(summary))
+        assert pad_diff < 0.05, f"padding a row changed its logits by {pad_diff}: the mask does not cover the prefix"
+        if args.smoke:
+            assert after < before, f"held-out loss did not go down: {before} -> {after}"
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""DeepSpeed-Chat's three RLHF steps on ds_plugin, on CPU with 2 processes: SFT, a reward model, then DPO.
+
+    torchrun --standalone --nproc-per-node 2 examples/rlhf.py [--step all|sft|reward|dpo] [--smoke]
+
+1. SFT: LoRA on a tiny Llama (built from a config, nothing is downloaded) whose frozen base is stored INT4 and
+   sharded by ZeRO-3, on mixed-quality demonstrations (examples/data/rlhf_sft.jsonl, good one time in four).
+2. Reward model: a small Llama with a scalar head, pairwise loss -log sigmoid(r_chosen - r_rejected) on
+   examples/data/rlhf_pairs.jsonl; signal: held-out pairwise accuracy.
+3. DPO (Direct Preference Optimization; no PPO rollouts, critic or value head): a fresh LoRA on the SFT model against
+   a frozen reference copy, each stored INT8 and sharded by its own engine. Signals: held-out preference accuracy and
+   margin, and the reward model's mean score of answers sampled for held-out questions.
+Text is read as bytes (no tokenizer). `--step` runs one step alone, reading earlier steps' output from --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch.optim import AdamW
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+import ds_plugin
+from ds_plugin.adapters import full_state_dict
+
+# peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
+warnings.filterwarnings("ignore", category=FutureWarning)
+DATA = Path(__file__).parent / "data"
+DEVICE = torch.device("cpu")  # main() picks this rank's GPU when there is one
+PAD, BOS, EOS = 0, 1, 2  # byte ids that never occur in the text
+LORA = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")  # every projection; not the head
+
+
+def rows(name: str, split: str, share: bool = False) -> list[dict]:
+    """A split of a data file; with share=True, this rank's share of it."""
+    found = [r for r in map(json.loads, (DATA / name).read_text().splitlines()) if r["split"] == split]
+    return found[dist.get_rank() :: dist.get_world_size()] if share else found
+
+
+def llama(cls, hidden: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same random model on every call
+    config = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
+                         initializer_range=0.05, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
+    model = cls(config)
+    if cls is LlamaForCausalLM:
+        # Head and final norm stay frozen; a random head this small caps the best logit's lead near 6 nats, leaving
+        # ~20% of every sampled byte to chance however good the adapter. A pretrained head is sharper; so is this.
+        model.lm_head.weight.data.mul_(3.0)
+    return model
+
+
+def pad(seqs: list[list[int]], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs))
+    fill = [[PAD] * (width - len(s)) for s in seqs]
+    ids = torch.tensor([f + s if left else s + f for s, f in zip(seqs, fill, strict=True)], device=DEVICE)
+    return ids, (ids != PAD).long()
+
+
+def text_ids(prompt: str, response: str) -> tuple[list[int], int]:
+    """BOS prompt response EOS, and where the response starts."""
+    head = [BOS, *prompt.encode()]
+    return [*head, *response.encode(), EOS], len(head)
+
+
+def response_logps(model, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    """Summed log-probability of each response (and its EOS) given its prompt: the quantity DPO compares."""
+    seqs, starts = zip(*(text_ids(p, r) for p, r in zip(prompts, responses, strict=True)), strict=True)
+    ids, mask = pad(list(seqs))
+    logps = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+    token = logps.gather(-1, ids[:, 1:, None])[..., 0]
+    pos = torch.arange(ids.shape[1] - 1, device=DEVICE)[None]
+    keep = (pos >= torch.tensor(starts, device=DEVICE)[:, None] - 1) & (mask[:, 1:] == 1)
+    return (token * keep).sum(1)
+
+
+def rm_scores(rm, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    """The reward model's scalar at the last real token (the EOS) of prompt + response."""
+    ids, mask = pad([text_ids(p, r)[0] for p, r in zip(prompts, responses, strict=True)])
+    return rm(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
+@torch.no_grad()
+def sample(model, prompts: list[str], gen: torch.Generator, new_tokens: int = 32) -> list[str]:
+    """Sampled answers (temperature 1), left-padded; as many steps on every rank (ZeRO-3 forwards are collectives)."""
+    ids, mask = pad([[BOS, *p.encode()] for p in prompts], left=True)
+    width = ids.shape[1]
+    for _ in range(new_tokens):
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].float()
+        token = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen).to(DEVICE)
+        ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+    cut = [row[: row.index(EOS)] if EOS in row else row for row in ids[:, width:].tolist()]
+    return [bytes(t for t in row if t > 2).decode(errors="replace") for row in cut]
+
+
+def mean_over_ranks(*values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    return t.tolist()
+
+
+def train(engine, loss_fn, data: list, size: int, steps: int, desc: str) -> list[float]:
+    """The training loop of every step; every rank draws the same global batch and keeps its slice."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen, history = torch.Generator().manual_seed(0), []
+    for _ in tqdm(range(steps), desc=desc, disable=rank != 0):
+        picks = torch.randint(len(data), (size * world,), generator=gen)[rank::world].tolist()
+        loss = loss_fn([data[i] for i in picks])
+        engine.backward(loss)
+        engine.step()
+        history.append(mean_over_ranks(loss.item())[0])
+    return history
+
+
+def zero3(frozen_format: str = "none") -> dict:
+    # bf16 on GPUs; fp32 on CPUs, where bf16 matmuls without AVX512-BF16/AMX run several times slower.
+    return {"zero_optimization": {"stage": 3, "frozen_format": frozen_format}, "gradient_clipping": 1.0,
+            "bf16": {"enabled": DEVICE.type == "cuda"}}  # fmt: skip
+
+
+def step_sft(args) -> dict:
+    """LoRA on the INT4 actor base, loss on the response tokens only."""
+    train_rows, mine = rows("rlhf_sft.jsonl", "train"), rows("rlhf_sft.jsonl", "test", share=True)
+    actor = get_peft_model(llama(LlamaForCausalLM, 128, 4), LORA)
+    engine = ds_plugin.initialize(actor, zero3("int4"), optimizer=partial(AdamW, lr=2e-3))
+
+    def loss_on(batch: list[dict]) -> torch.Tensor:
+        logps = response_logps(engine, [r["prompt"] for r in batch], [r["response"] for r in batch])
+        return -(logps / torch.tensor([len(r["response"]) + 1 for r in batch], device=DEVICE)).mean()
+
+    with torch.no_grad():
+        before = mean_over_ranks(loss_on(mine).item())[0]
+    history = train(engine, loss_on, train_rows, 16, args.sft_steps, "1/3 SFT")
+    with torch.no_grad():
+        after = mean_over_ranks(loss_on(mine).item())[0]
+    ds_plugin.save_adapter(engine, args.out_dir / "sft_adapter")
+    return {"metric": "heldout_response_loss", "before": before, "after": after, "curve": history}
+
+
+def step_reward(args) -> dict:
+    """A fully trained small reward model: pairwise loss, held-out pairwise accuracy."""
+    train_rows, mine = rows("rlhf_pairs.jsonl", "train"), rows("rlhf_pairs.jsonl", "test", share=True)
+    rm = llama(LlamaForSequenceClassification, 64, 2)
+    engine = ds_plugin.initialize(rm, zero3(), optimizer=partial(AdamW, lr=5e-4))
+
+    def margins(batch: list[dict]) -> torch.Tensor:
+        prompts = [r["prompt"] for r in batch] * 2
+        scores = rm_scores(engine, prompts, [r["chosen"] for r in batch] + [r["rejected"] for r in batch])
+        return scores[: len(batch)] - scores[len(batch) :]
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            return mean_over_ranks((margins(mine) > 0).float().mean().item())[0]
+
+    before = accuracy()
+    history = train(engine, lambda b: -F.logsigmoid(margins(b)).mean(), train_rows, 16, args.rm_steps, "2/3 reward")
+    after = accuracy()
+    state = full_state_dict(engine)  # whole fp32 weights on rank 0; a collective
+    engine.module.save_pretrained(args.out_dir / "reward_model", state_dict=state, is_main_process=dist.get_rank() == 0)
+    dist.barrier()
+    return {"metric": "heldout_pairwise_accuracy", "before": before, "after": after, "curve": history}
+
+
+def step_dpo(args) -> dict:
+    """DPO of the SFT actor against an INT8 reference; scored by the reward model on held-out questions."""
+    if not all((args.out_dir / need).exists() for need in ("sft_adapter", "reward_model")):
+        raise SystemExit(f"no sft_adapter/ or reward_model/ in {args.out_dir}: run --step sft and --step reward first")
+    train_rows, mine = rows("rlhf_pairs.jsonl", "train"), rows("rlhf_pairs.jsonl", "test", share=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    questions = sorted({r["prompt"] for r in rows("rlhf_pairs.jsonl", "test")})[rank::world] * args.samples
+
+    # The SFT model merged into one set of weights twice over: the actor's frozen base (a fresh LoRA trains on it)
+    # and the reference, both stored INT8 and sharded, the reference with no optimizer. At step 0 they are equal.
+    def sft_model() -> torch.nn.Module:
+        base = llama(LlamaForCausalLM, 128, 4)
+        return PeftModel.from_pretrained(base, args.out_dir / "sft_adapter").merge_and_unload()
+
+    actor = get_peft_model(sft_model(), LORA)
+    policy = ds_plugin.initialize(actor, zero3("int8"), optimizer=partial(AdamW, lr=args.dpo_lr))
+    reference = ds_plugin.initialize(sft_model().requires_grad_(False), zero3("int8"))
+    scorer = LlamaForSequenceClassification.from_pretrained(args.out_dir / "reward_model").requires_grad_(False)
+    reward_model = ds_plugin.initialize(scorer, zero3())
+
+    def log_ratios(batch: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        prompts, answers = [r["prompt"] for r in batch] * 2, [r[k] for k in ("chosen", "rejected") for r in batch]
+        with torch.no_grad():
+            ref_logps = response_logps(reference, prompts, answers)
+        ratio = response_logps(policy, prompts, answers) - ref_logps
+        return ratio[: len(batch)], ratio[len(batch) :]
+
+    def evaluate(seed: int) -> tuple[float, float, float]:
+        """Held-out accuracy and margin of the implicit reward beta*log(pi/pi_ref); reward-model score of samples."""
+        with torch.no_grad():
+            chosen, rejected = log_ratios(mine)
+            margin = args.beta * (chosen - rejected)
+            answers = sample(policy, questions, torch.Generator().manual_seed(seed + rank))
+            score = rm_scores(reward_model, questions, answers).mean().item()
+        right = (margin > 0).float() + 0.5 * (margin == 0).float()  # a tie (step 0: policy == reference) is a coin
+        return mean_over_ranks(right.mean().item(), margin.mean().item(), score)
+
+    first = sample(policy, questions[:3], torch.Generator().manual_seed(5))
+
+    def dpo_loss(batch: list[dict]) -> torch.Tensor:
+        chosen, rejected = log_ratios(batch)
+        return -F.logsigmoid(args.beta * (chosen - rejected)).mean()
+
+    evals = [(0, *evaluate(seed=3))]
+    history = train(policy, dpo_loss, train_rows, 8, args.dpo_steps, "3/3 DPO")
+    evals.append((args.dpo_steps, *evaluate(seed=3)))
+    ds_plugin.save_adapter(policy, args.out_dir / "dpo_adapter")
+    examples = sample(policy, questions[:3], torch.Generator().manual_seed(5))
+    return {"metric": "reward_model_score", "before": evals[0][3], "after": evals[-1][3], "curve": history,
+            "evals": evals, "examples": list(zip(questions[:3], first, examples, strict=True))}  # fmt: skip
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
+    titles = {"sft": "1. SFT (LoRA, INT4 base)", "reward": "2. reward model", "dpo": "3. DPO (INT8 reference)"}
+    fig, axes = plt.subplots(1, len(results), figsize=(4.7 * len(results), 3.8), squeeze=False)
+    for ax, (name, r) in zip(axes[0], results.items(), strict=True):
+        ax.plot(r["curve"], lw=0.8)
+        ax.set(xlabel="step", ylabel="train loss (mean over ranks)")
+        ax.set_title(f"{titles[name]}\n{r['metric']} {r['before']:.2f} -> {r['after']:.2f}", fontsize=10)
+        if name == "dpo":
+            steps, acc, _, score = zip(*r["evals"], strict=True)
+            twin = ax.twinx()
+            twin.plot(steps, score, "o-", color="C1", label="reward-model score of samples (before, after)")
+            twin.plot(steps, acc, "s--", color="C2", label="held-out preference accuracy (before, after)")
+            twin.legend(loc="center left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"loss curve: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step", default="all", choices=["all", "sft", "reward", "dpo", "rl"], help="rl = dpo")
+    parser.add_argument("--sft-steps", type=int, default=120)
+    parser.add_argument("--rm-steps", type=int, default=150)
+    parser.add_argument("--dpo-steps", type=int, default=60)
+    parser.add_argument("--dpo-lr", type=float, default=5e-5, help="higher overfits: samples degrade")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO's KL strength")
+    parser.add_argument("--samples", type=int, default=4, help="sampled answers per held-out question")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/rlhf"))
+    parser.add_argument("--smoke", action="store_true", help="short steps that assert every signal's direction")
+    args = parser.parse_args()
+    if args.smoke:
+        args.sft_steps, args.rm_steps, args.dpo_steps, args.samples = 40, 30, 20, 2
+    start = time.perf_counter()
+    # Two processes share two cores: one thread each avoids oversubscription.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    global DEVICE
+    if torch.cuda.is_available():
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    steps = {"sft": step_sft, "reward": step_reward, "dpo": step_dpo}
+    chosen = list(steps) if args.step == "all" else ["dpo" if args.step == "rl" else args.step]
+    results = {name: steps[name](args) for name in chosen}
+    if dist.get_rank() == 0:
+        plot(results, args.out_dir / "rlhf.png")
+        (args.out_dir / "summary.json").write_text(json.dumps(results))
+        for name, r in results.items():
+            print(f"{name:>6}: {r['metric']} {r['before']:.3f} -> {r['after']:.3f}")
+        if "dpo" in results:
+            (_, acc0, margin0, _), *_, (_, acc1, margin1, _) = results["dpo"]["evals"]
+            print(f"{'':8}held-out preference accuracy {acc0:.2f} -> {acc1:.2f}, margin {margin0:.2f} -> {margin1:.2f}")
+            for question, sft, dpo in results["dpo"]["examples"]:
+                print(f"        {question!r}\n          SFT: {sft!r}\n          DPO: {dpo!r}")
+        print(f"adapters and reward model in {args.out_dir}")
+        last = results[chosen[-1]]
+        print(json.dumps({"recipe": "rlhf", "metric": last["metric"], "before": last["before"], "after": last["after"],
+                          "seconds": round(time.perf_counter() - start, 1)}))  # fmt: skip
+        for name, r in results.items() if args.smoke else ():
+            better = r["after"] < r["before"] if name == "sft" else r["after"] > r["before"]
+            assert better, f"{name}: {r['metric']} went the wrong way: {r['before']} -> {r['after']}"
+        if args.smoke and "dpo" in results:
+            assert acc1 > acc0 and margin1 > margin0, "DPO preference accuracy/margin did not go up"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
