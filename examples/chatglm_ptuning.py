@@ -1,15 +1,17 @@
 """P-Tuning v2 the ChatGLM way: prefix tuning of a frozen GLM under ZeRO-3 with bf16, on CPU with 2 processes.
 
     torchrun --standalone --nproc-per-node 2 examples/chatglm_ptuning.py [--pre-seq-len 32] [--prefix-projection]
-        [--stage 2|3] [--frozen-format none|int8|int4|nf4] [--model PATH] [--smoke]
+        [--stage 2|3] [--precision bf16|fp32] [--frozen-format none|int8|int4|nf4] [--model PATH] [--smoke]
+    torchrun --standalone --nproc-per-node 8 examples/chatglm_ptuning.py --model PATH   # 8 GPUs, bf16
 
 As in ChatGLM's ptuning/ (ADGEN: attributes in, one line of ad copy out), `pre_seq_len` trained key/value vectors
 are prepended to every attention layer (peft's `PrefixTuningConfig`, `num_virtual_tokens=pre_seq_len`), optionally
 produced by a two-layer MLP (`--prefix-projection`); the GLM itself (`GlmForCausalLM`, native in transformers) is
 frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl. By default
 the GLM is a tiny random one built from a config and the text is read as bytes (nothing is downloaded);
-`--model PATH` loads a local checkpoint and its tokenizer instead. At the end the saved prefix is reloaded onto a
-fresh base and must reproduce the trained model's greedy generations.
+`--model PATH` loads a local checkpoint and its tokenizer instead. Compute is bf16 on GPUs and on CPUs with bf16
+units, else fp32 (a CPU without them runs bf16 matmuls ~8x slower). At the end the saved prefix is reloaded onto a
+fresh base and must reproduce the trained model's logits and greedy generations.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -265,7 +266,6 @@ def main() -> None:
             assert after < before, f"held-out loss did not go down: {before} -> {after}"
     dist.barrier()
     dist.destroy_process_group()
-    sys.exit(0)
 
 
 if __name__ == "__main__":

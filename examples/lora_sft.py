@@ -8,8 +8,8 @@ match (greedy answer == the digits) measures what the adapter learned. The base 
 (nothing is downloaded) and stays frozen, its Linear weights stored as INT4 codes by the strategy
 (`frozen_format`) and sharded by ZeRO-3; LoRA adapters on every projection are the only trained weights. Text is
 read as bytes, so no tokenizer is needed. At the end the adapter is saved with `ds_plugin.save_adapter`, reloaded
-onto a fresh base stored the same way, and must give the same answers. Lightning starts the second process by
-running this script again. On 8 GPUs: `python examples/lora_sft.py --devices 8 --precision bf16-mixed`.
+onto a fresh base stored the same way, and must give the trained weights' logits. Lightning starts the second
+process by running this script again. On 8 GPUs: `python examples/lora_sft.py --devices 8 --precision bf16-mixed`.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class LoRASFT(pl.LightningModule):
         self._mine: dict[int, str] = {}
 
     def on_validation_epoch_end(self) -> None:
-        # Every rank answered its share of the held-out rows; rank 0's distributed sampler may repeat a few.
+        # Every rank answered its share of the held-out rows (the sampler pads the last shares with repeats: the
+        # dict keeps one answer per row).
         shares = [None] * dist.get_world_size() if dist.is_initialized() else [self._mine]
         if dist.is_initialized():
             dist.all_gather_object(shares, self._mine)
@@ -219,7 +220,7 @@ def main() -> None:
         devices=world,
         precision=args.precision,
         max_steps=args.steps,
-        val_check_interval=args.steps // args.evals,
+        val_check_interval=max(1, args.steps // args.evals),
         check_val_every_n_epoch=None,
         num_sanity_val_steps=-1,  # the whole held-out set before training: the "before" number
         gradient_clip_val=1.0,
@@ -249,7 +250,6 @@ def main() -> None:
         # The engine's own answers: under ZeRO++ its forward gathers weights as INT8 (qwZ), so a near tie may tip.
         trained = [module.predictions[i] for i in range(len(held_out))]
         agree = sum(a == b for a, b in zip(reloaded, trained, strict=True)) / len(trained)
-        plot(losses.tolist(), module.history, args.out_dir / "lora_sft.png")
         seconds = time.perf_counter() - start
         stage = trainer.strategy.config.stage
         print(f"\nZeRO stage {stage}, {args.frozen_format} frozen base, LoRA r={args.lora_rank}, {world} ranks")
@@ -261,6 +261,7 @@ def main() -> None:
             f"adapter saved to {path}; reloaded onto a fresh {args.frozen_format} base: logits within {diff:.1e} "
             f"of the trained weights', same answer as the training forward on {agree:.0%}"
         )
+        plot(losses.tolist(), module.history, args.out_dir / "lora_sft.png")
         summary = {"recipe": "lora_sft", "metric": "heldout_exact_match", "before": before, "after": after,
                    "seconds": round(seconds, 1)}  # fmt: skip
         (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": module.history}))

@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--rm-steps", type=int, default=150)
     parser.add_argument("--dpo-steps", type=int, default=60)
     parser.add_argument("--dpo-lr", type=float, default=5e-5, help="higher overfits: samples degrade")
-    parser.add_argument("--beta", type=float, default=0.1, help="DPO's KL strength")
+    parser.add_argument("--beta", type=float, default=0.3, help="DPO's KL strength")
     parser.add_argument("--samples", type=int, default=4, help="sampled answers per held-out question")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/rlhf"))
     parser.add_argument("--smoke", action="store_true", help="short steps that assert every signal's direction")

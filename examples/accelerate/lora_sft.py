@@ -111,6 +111,22 @@ def exact_match(accelerator: Accelerator, model, held_out: list[dict]) -> tuple[
     return sum(a == r["answer"] for a, r in zip(answers, held_out, strict=True)) / len(held_out), answers
 
 
+def plot(losses: list[float], history: list[tuple[int, float]], path: Path) -> None:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(losses, lw=0.8)
+    left.set(xlabel="step", ylabel="answer loss (mean over processes)", yscale="log", title="LoRA SFT with Accelerate")
+    right.plot(*zip(*history, strict=True), marker="o")
+    right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"loss curve: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -148,6 +164,7 @@ def main() -> None:
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
 
     history, losses = [(0, exact_match(accelerator, model, held_out)[0])], []
+    answers: list[str] = []
     bar = tqdm(train_dl, desc="LoRA SFT", disable=not accelerator.is_main_process)
     for step, batch in enumerate(bar, start=1):
         loss = model(**batch).loss
@@ -158,10 +175,10 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % (args.steps // args.evals) == 0 or step == args.steps:
-            history.append((step, exact_match(accelerator, model, held_out)[0]))
-            bar.write(f"step {step:4d}  held-out exact match {history[-1][1]:.2f}")
-    after, answers = exact_match(accelerator, model, held_out)
+        if step % max(1, args.steps // args.evals) == 0 or step == args.steps:
+            em, answers = exact_match(accelerator, model, held_out)
+            history.append((step, em))
+            bar.write(f"step {step:4d}  held-out exact match {em:.2f}")
 
     # Collective: every process calls them; the main one gets the whole adapter and writes the files.
     adapter = full_state_dict(accelerator.engine, trainable_only=True)
@@ -179,13 +196,13 @@ def main() -> None:
             diff = (reloaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
         again = greedy(reloaded, [r["prompt"] for r in held_out], "cpu")
         agree = sum(a == b for a, b in zip(again, answers, strict=True)) / len(answers)
-        before = history[0][1]
-        plot(losses, history, args.out_dir / "accelerate_lora_sft.png")
+        before, after = history[0][1], history[-1][1]
         print(f"\n{describe_plan(accelerator.engine.plan)}; {args.frozen_format} frozen base, LoRA r={args.lora_rank}")
         print(f"answer loss {sum(losses[:10]) / 10:.3f} -> {sum(losses[-10:]) / 10:.3f} in {args.steps} steps")
         print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums)")
         print(f"adapter saved to {path}; reloaded onto a fresh {args.frozen_format} base: logits within {diff:.1e} of "
               f"the trained weights', same answer as the training forward on {agree:.0%}")  # fmt: skip
+        plot(losses, history, args.out_dir / "accelerate_lora_sft.png")
         summary = {"recipe": "accelerate_lora_sft", "metric": "heldout_exact_match", "before": before,
                    "after": after, "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
         (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": history}))
@@ -194,23 +211,7 @@ def main() -> None:
         if args.smoke:
             assert after > before, f"held-out exact match did not go up: {before} -> {after}"
     accelerator.wait_for_everyone()
-    accelerator.end_training()
-
-
-def plot(losses: list[float], history: list[tuple[int, float]], path: Path) -> None:
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    left.plot(losses, lw=0.8)
-    left.set(xlabel="step", ylabel="answer loss (mean over processes)", yscale="log", title="LoRA SFT with Accelerate")
-    right.plot(*zip(*history, strict=True), marker="o")
-    right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"loss curve: {path}")
+    accelerator.end_training()  # also destroys the process group
 
 
 if __name__ == "__main__":
