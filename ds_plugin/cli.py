@@ -1,6 +1,9 @@
 """The `ds-plugin` command: env, check-config, estimate, export, bench.
 
-Every user mistake ends in one line on stderr and exit code 2; never a traceback.
+Every user mistake ends in one line on stderr and exit code 2; never a traceback. Mistakes in the command line
+fail while it is parsed (`ds_plugin._argparse`), mistakes in the files it names raise `UsageError`,
+`ConfigError` or `CheckpointError`, and `main` prints those. Any other exception is a bug in ds_plugin and
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ds_plugin._argparse import MAX_COUNT, ArgumentParser, count, existing_path, number, one_line, output_dir, shown
 from ds_plugin.config import ConfigError
 
 BENCHMARKS = {
@@ -28,6 +32,21 @@ class UsageError(Exception):
     """A bad command line or input file: printed as one line, exit code 2."""
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    # CheckpointError lives beside torch, which `env`, `check-config` and `estimate` never import; it can only
+    # have been raised once its module is loaded, so look it up then instead of importing it for every command.
+    checkpoint = sys.modules.get("ds_plugin.zero.checkpoint")
+    return (ConfigError, UsageError) + ((checkpoint.CheckpointError,) if checkpoint is not None else ())
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the interpreter would exit with for `exc`: `main` returns it instead of raising."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     from ds_plugin.env import collect_env, format_env
 
@@ -40,7 +59,11 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     from ds_plugin.config import from_deepspeed
     from ds_plugin.presets import PRESETS, get_preset
 
-    cfg = get_preset(args.file) if args.file in PRESETS else from_deepspeed(args.file)
+    try:
+        cfg = get_preset(args.file) if args.file in PRESETS else from_deepspeed(args.file)
+    except RecursionError:
+        # json and PyYAML parse nested containers recursively: a file nested thousands deep is hostile input.
+        raise UsageError(f"{args.file}: nested too deeply to read; is it a DeepSpeed config?") from None
     if args.world_size is not None:
         cfg = cfg.resolve(world_size=args.world_size, ranks_per_node=args.ranks_per_node)
     print(json.dumps(cfg.to_deepspeed(include_ignored=False), indent=2))
@@ -62,13 +85,18 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if (args.params is None) == (args.model_config is None):
         raise UsageError("give exactly one of --params N or --model-config config.json")
     if args.model_config is not None:
+        path = args.model_config
         try:
-            shape = shape_from_hf_config(load_hf_config(args.model_config))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(f"--model-config {args.model_config}: cannot read it ({exc})") from None
+            cfg = load_hf_config(path)
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise UsageError(f"--model-config {path}: cannot read it ({reason})") from None
+        _check_hf_config(cfg, path)
+        try:
+            shape = shape_from_hf_config(cfg)
+        except ValueError as exc:  # no size keys
+            raise UsageError(f"--model-config {path}: {exc}") from None
     else:
-        if args.params <= 0:
-            raise UsageError(f"--params {args.params:g} must be positive")
         shape = ModelShape(params=int(args.params), hidden_size=args.hidden_size, num_layers=args.num_layers)
     try:
         result = estimate(
@@ -86,78 +114,142 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
-    from ds_plugin.export import export_command
+# The integer sizes `shape_from_hf_config` does arithmetic with: a string, a float, zero or a 400-digit number in
+# a hand-edited config.json would otherwise end in a TypeError, ZeroDivisionError or float OverflowError.
+_HF_SIZE_KEYS = (
+    "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer", "num_layers", "vocab_size",
+    "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "ffn_dim",
+    "n_positions", "max_position_embeddings",
+)  # fmt: skip
 
-    return export_command(args.ckpt_dir, args.out_dir, dtype=args.dtype)
+
+def _check_hf_config(cfg: object, path: str) -> None:
+    """Refuse a config.json that is not an object of positive integer sizes, naming the key."""
+    if not isinstance(cfg, dict):
+        raise UsageError(f"--model-config {path}: holds a JSON {type(cfg).__name__}, not an object of config keys")
+    for key in _HF_SIZE_KEYS:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+            raise UsageError(
+                f"--model-config {path}: {key} is {shown(value)}; it must be an integer from 1 to {MAX_COUNT}"
+            )
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ds_plugin.export import export_summary
+
+    try:
+        print(export_summary(args.ckpt_dir, args.out_dir, dtype=args.dtype))
+    except OSError as exc:  # a file that vanished, no permission, a full disk: not a bug, one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise UsageError(f"{where}{exc.strerror or exc}") from None
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     module = importlib.import_module(BENCHMARKS[args.name])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except SystemExit as exc:  # the benchmark's parser refused `rest` (or printed --help)
+        return _exit_code(exc)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-plugin", description="ZeRO and ZeRO++ on FSDP2: tools")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> ArgumentParser:
+    """The `ds-plugin` parser; `ds-plugin bench NAME` hands the rest of the line to the benchmark's own parser."""
+    from ds_plugin.estimate import FROZEN_FORMATS
+
+    parser = ArgumentParser(prog="ds-plugin", description="ZeRO and ZeRO++ on FSDP2: tools")
+    # Not `required=True`: argparse would report a missing command before an unknown flag (`ds-plugin --jsn`);
+    # `_parse` says which was given first.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
 
     p = sub.add_parser("env", help="versions, GPUs, and which kernels and backends run here")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_env)
+    p.set_defaults(func=_cmd_env, parser=p)
 
     p = sub.add_parser("check-config", help="validate a DeepSpeed config (JSON/YAML file or preset name)")
     p.add_argument("file", help="path to a DeepSpeed .json/.yaml config, or a preset name such as zeropp")
-    p.add_argument("--world-size", type=int, help="also check what depends on the world size (batch sizes, hpZ)")
-    p.add_argument("--ranks-per-node", type=int, help="resolves zero_hpz_partition_size: auto")
-    p.set_defaults(func=_cmd_check_config)
+    p.add_argument("--world-size", type=count(), help="also check what depends on the world size (batch sizes, hpZ)")
+    p.add_argument("--ranks-per-node", type=count(), help="resolves zero_hpz_partition_size: auto")
+    p.set_defaults(func=_cmd_check_config, parser=p)
 
     p = sub.add_parser("estimate", help="per-rank model-state memory for ZeRO stages 0-3")
-    p.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9")
-    p.add_argument("--model-config", help="a transformers config.json (or its directory) instead of --params")
-    p.add_argument("--world-size", type=int, required=True, help="total ranks")
-    p.add_argument("--nodes", type=int, default=1, help="nodes the ranks span")
-    p.add_argument("--lora-rank", type=int, help="also estimate LoRA with this rank (on --lora-targets)")
+    # 1e18 parameters: past any model, and 16 bytes each still fits a float without overflowing.
+    p.add_argument("--params", type=number(1, 1e18), help="parameter count, e.g. 7.5e9")
+    p.add_argument(
+        "--model-config",
+        type=existing_path,
+        help="a transformers config.json (or its directory) instead of --params",
+    )
+    p.add_argument("--world-size", type=count(), required=True, help="total ranks")
+    p.add_argument("--nodes", type=count(), default=1, help="nodes the ranks span")
+    p.add_argument("--lora-rank", type=count(), help="also estimate LoRA with this rank (on --lora-targets)")
     p.add_argument(
         "--lora-targets",
         default="q,k,v,o",
         help="comma-separated projections LoRA adapts: q,k,v,o,gate,up,down, module names, or all-linear",
     )
-    p.add_argument("--frozen-format", default="bf16", help="bf16|int8|int4|nf4|fp6: storage of frozen Linear weights")
     p.add_argument(
-        "--frozen-group-size", type=int, help="elements per scale of int8/int4/nf4/fp6 (default 128, 64, 64, 128)"
+        "--frozen-format",
+        default="bf16",
+        choices=FROZEN_FORMATS,
+        metavar="FORMAT",
+        help=f"{'|'.join(FROZEN_FORMATS)}: storage of frozen Linear weights",
     )
-    p.add_argument("--hidden-size", type=int, help="with --params and --lora-rank: the hidden size")
-    p.add_argument("--num-layers", type=int, help="with --params and --lora-rank: the number of layers")
+    p.add_argument(
+        "--frozen-group-size", type=count(), help="elements per scale of int8/int4/nf4/fp6 (default 128, 64, 64, 128)"
+    )
+    p.add_argument("--hidden-size", type=count(), help="with --params and --lora-rank: the hidden size")
+    p.add_argument("--num-layers", type=count(), help="with --params and --lora-rank: the number of layers")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_estimate)
+    p.set_defaults(func=_cmd_estimate, parser=p)
 
     p = sub.add_parser("export", help="consolidate a sharded checkpoint into safetensors (+ config.json)")
-    p.add_argument("ckpt_dir")
-    p.add_argument("out_dir")
+    p.add_argument("ckpt_dir", help="a checkpoint directory written by save_checkpoint / save_fsdp")
+    p.add_argument("out_dir", type=output_dir, help="where model.safetensors (and config.json) go; created")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast the weights (default: as saved)")
-    p.set_defaults(func=_cmd_export)
+    p.set_defaults(func=_cmd_export, parser=p)
 
     p = sub.add_parser("bench", help="benchmarks that print JSON; `ds-plugin bench NAME --help`")
     p.add_argument("name", choices=sorted(BENCHMARKS))
-    p.set_defaults(func=None)
+    p.set_defaults(func=None, parser=p)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `ds-plugin` command; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+def _parse(parser: ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The parsed command line and what `bench NAME` hands on; raises SystemExit on a mistake or --help."""
     # `bench NAME ...` hands everything after NAME to the benchmark's own parser.
     if argv[:1] == ["bench"] and len(argv) >= 2 and argv[1] in BENCHMARKS:
-        args, rest = parser.parse_args(argv[:2]), argv[2:]
-    else:
-        args, rest = parser.parse_args(argv), []
+        return parser.parse_args(argv[:2]), argv[2:]
+    args, extra = parser.parse_known_args(argv)
+    # Reported by the subcommand's parser, the message names the command (`ds-plugin estimate: error:`).
+    command_parser = parser if args.command is None else args.parser
+    if extra:
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command is None:
+        parser.error("the following arguments are required: COMMAND")
+    return args, []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `ds-plugin` command; returns the exit code (0, or 2 with one line on stderr).
+
+    Args:
+        argv: the arguments after `ds-plugin` (default: `sys.argv[1:]`).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, rest = _parse(build_parser(), argv)
+    except SystemExit as exc:  # argparse has printed the error line (or the help)
+        return _exit_code(exc)
     try:
         if args.command == "bench":
             return _cmd_bench(args, rest)
         return args.func(args)
-    except (ConfigError, UsageError) as exc:
-        print(f"ds-plugin {args.command}: error: {exc}", file=sys.stderr)
+    except _user_errors() as exc:
+        print(f"ds-plugin {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ds_plugin.zero.checkpoint import CheckpointError, load_full_state_dict, read_checkpoint_info
 
-__all__ = ["export_checkpoint", "export_command"]
+__all__ = ["export_checkpoint", "export_command", "export_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +156,28 @@ def export_checkpoint(
     return _export(ckpt_dir, out_dir, _parse_dtype(dtype), max_shard_size)[0]
 
 
+def export_summary(ckpt_dir: str, out_dir: str, dtype: str | None = None) -> str:
+    """Export like `export_checkpoint` and return the one-line summary `ds-plugin export` prints.
+
+    Args:
+        ckpt_dir: the checkpoint directory.
+        out_dir: where to write the safetensors.
+        dtype: optional cast ("fp32", "bf16", "fp16").
+
+    Raises:
+        CheckpointError: not a readable ds_plugin checkpoint (one line).
+        OSError: the output cannot be written.
+        ValueError: an unknown `dtype`.
+    """
+    out, n_tensors, n_params = _export(ckpt_dir, out_dir, _parse_dtype(dtype), 5 * 2**30)
+    config = " + config.json" if (out / "config.json").is_file() else ""
+    return f"exported {n_tensors} tensors ({n_params:,} parameters) from {ckpt_dir} to {out}{config}"
+
+
 def export_command(ckpt_dir: str, out_dir: str, dtype: str | None = None) -> int:
-    """`ds-plugin export CKPT_DIR OUT_DIR`: one summary line on stdout; exit 0, or 2 with one error line.
+    """Export and print the summary line on stdout; exit 0, or 2 with one `error: ...` line on stderr.
+
+    `ds-plugin export` uses `export_summary`, and prints its errors in the CLI's own format.
 
     Args:
         ckpt_dir: the checkpoint directory.
@@ -165,10 +185,9 @@ def export_command(ckpt_dir: str, out_dir: str, dtype: str | None = None) -> int
         dtype: optional cast ("fp32", "bf16", "fp16").
     """
     try:
-        out, n_tensors, n_params = _export(ckpt_dir, out_dir, _parse_dtype(dtype), 5 * 2**30)
+        summary = export_summary(ckpt_dir, out_dir, dtype)
     except (CheckpointError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
-    config = " + config.json" if (out / "config.json").is_file() else ""
-    print(f"exported {n_tensors} tensors ({n_params:,} parameters) from {ckpt_dir} to {out}{config}")
+    print(summary)
     return 0

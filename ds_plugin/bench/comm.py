@@ -13,14 +13,15 @@ stays inside a node counts as intra-node. Quantized collectives count their INT8
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
+import os
 import platform
 from typing import Any
 
 import torch
 
+from ds_plugin._argparse import ArgumentParser, count, output_file
 from ds_plugin.launch import run_ranks
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -157,17 +158,20 @@ def run(n_layer: int = 4, n_embd: int = 256, seq: int = 128, steps: int = 2, tim
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ds-plugin bench comm`."""
-    parser = argparse.ArgumentParser(prog="ds-plugin bench comm", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="ds-plugin bench comm", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
-    parser.add_argument("--steps", type=int, default=2, help="logged steps per config")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--out", help="also write the JSON report to this file")
+    parser.add_argument("--steps", type=count(), default=2, help="logged steps per config")
+    parser.add_argument("--n-layer", type=count(), default=4)
+    parser.add_argument("--n-embd", type=count(), default=256, help="GPT-2 width, a multiple of its 4 heads")
+    parser.add_argument("--seq", type=count(), default=128)
+    parser.add_argument("--out", type=output_file, help="also write the JSON report to this file")
     args = parser.parse_args(argv)
+    if args.n_embd % 4:  # `_model` builds GPT-2 with 4 heads; the ranks would fail on it after starting up
+        parser.error(f"argument --n-embd: {args.n_embd} is not a multiple of the 4 attention heads")
     report = run(args.n_layer, args.n_embd, args.seq, args.steps)
     text = json.dumps(report, indent=2)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
     if args.json:

@@ -12,7 +12,6 @@ It needs a CUDA GPU (fp8 tensor cores); on a machine without one it says so and 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
 import json
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_plugin._argparse import ArgumentParser, choice_list, count
 from ds_plugin.precision.fp8 import RECIPES
 from ds_plugin.precision.fp8_linear import convert_to_fp8_training
 
@@ -149,13 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: command-line arguments (default: ``sys.argv[1:]``).
     """
-    parser = argparse.ArgumentParser(prog="ds-plugin bench fp8", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="ds-plugin bench fp8", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--hidden", type=int, default=4096, help="model width (default 4096)")
-    parser.add_argument("--layers", type=int, default=4, help="MLP blocks (default 4)")
-    parser.add_argument("--steps", type=int, default=30, help="steps per run, including 5 warmup (default 30)")
-    parser.add_argument("--batch-tokens", type=int, default=8192, help="tokens per batch (default 8192)")
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated fp8 recipes")
+    parser.add_argument("--hidden", type=count(), default=4096, help="model width (default 4096)")
+    parser.add_argument("--layers", type=count(), default=4, help="MLP blocks (default 4)")
+    parser.add_argument("--steps", type=count(), default=30, help="steps per run, including 5 warmup (default 30)")
+    parser.add_argument("--batch-tokens", type=count(), default=8192, help="tokens per batch (default 8192)")
+    # Checked while parsing, so a bad recipe is an error on a machine without a GPU too, not a skip.
+    parser.add_argument(
+        "--recipes", type=choice_list(RECIPES), default=",".join(RECIPES), help="comma-separated fp8 recipes"
+    )
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -164,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"ds-plugin bench fp8 {SKIP_MESSAGE} (fp8 tensor cores, sm89+); none is visible here.")
         return 0
-    recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
-    unknown = sorted(set(recipes) - set(RECIPES))
-    if unknown:
-        parser.error(f"unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
+    recipes = tuple(args.recipes)
     device = torch.device("cuda", torch.cuda.current_device())
     results = benchmark(device, args.hidden, args.layers, args.steps, args.batch_tokens, recipes=recipes)
     report = {

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ds_plugin._argparse import MAX_COUNT, ArgumentParser, choice_list, output_dir, shown
+
 __all__ = ["LLAMA2_70B_SHAPES", "M_VALUES", "benchmark", "main", "peak_bandwidth", "write_report"]
 
 logger = logging.getLogger(__name__)
@@ -245,19 +247,57 @@ def _plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """`--m`: comma-separated positive integers."""
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: give comma-separated integers") from None
+    if not sizes or not all(1 <= s <= MAX_COUNT for s in sizes):
+        raise argparse.ArgumentTypeError(f"{shown(text)}: give integers from 1 to {MAX_COUNT}")
+    return sizes
+
+
+_SHAPE = re.compile(r"\s*([0-9]+)\s*x\s*([0-9]+)\s*")
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """`--shapes`: comma-separated NxK pairs, K a multiple of 128 (the kernels' group size)."""
+    shapes = []
+    for item in (s for s in text.lower().split(",") if s.strip()):
+        m = _SHAPE.fullmatch(item)
+        try:
+            n, k = (int(m[1]), int(m[2])) if m else (0, 0)
+        except ValueError:  # past int()'s 4300 digits
+            n, k = 0, 0
+        if not (1 <= n <= MAX_COUNT and 128 <= k <= MAX_COUNT and k % 128 == 0):
+            raise argparse.ArgumentTypeError(f"{shown(item)}: give NxK pairs with K a multiple of 128, e.g. 8192x8192")
+        shapes.append((n, k))
+    if not shapes:
+        raise argparse.ArgumentTypeError("no NxK pair given, e.g. 8192x8192")
+    return tuple(shapes)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the JSON (``--json``) or a table, and write the result files.
 
     Args:
         argv: command-line arguments (default: ``sys.argv[1:]``).
     """
-    parser = argparse.ArgumentParser(prog="ds-plugin bench kernels", description=__doc__.splitlines()[0])
+    # Every value is checked while parsing, so a bad one is an error on a machine without a GPU too, not a skip.
+    parser = ArgumentParser(prog="ds-plugin bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
-    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LLAMA2_70B_SHAPES), help="NxK,...")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated: fp6,int4,int8")
+    parser.add_argument("--m", type=_sizes, default=",".join(map(str, M_VALUES)), help="comma-separated M values")
+    parser.add_argument(
+        "--shapes", type=_shapes, default=",".join(f"{n}x{k}" for n, k in LLAMA2_70B_SHAPES), help="NxK,..."
+    )
+    parser.add_argument(
+        "--formats", type=choice_list(FORMATS), default=",".join(FORMATS), help="comma-separated: fp6,int4,int8"
+    )
     parser.add_argument("--no-gemlite", action="store_true", help="leave GemLite out even when it imports")
-    parser.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results", help="where files go")
+    parser.add_argument(
+        "--out-dir", type=output_dir, default=os.environ.get("OUT") or "benchmarks/results", help="where files go"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -266,15 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             else f"ds-plugin bench kernels {SKIP_MESSAGE}; none is visible here."
         )
         return 0
-    try:
-        m_values = tuple(int(v) for v in args.m.split(",") if v.strip())
-        shapes = tuple(tuple(int(d) for d in s.lower().split("x")) for s in args.shapes.split(",") if s.strip())
-    except ValueError:
-        parser.error("--m takes integers and --shapes NxK pairs")
-    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown or any(len(s) != 2 or s[1] % 128 for s in shapes):
-        parser.error(f"formats from {', '.join(FORMATS)}; K a multiple of 128 (got {unknown or args.shapes})")
+    m_values, shapes, formats = args.m, args.shapes, tuple(args.formats)
     import triton
 
     device = torch.device("cuda", torch.cuda.current_device())

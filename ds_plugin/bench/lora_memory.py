@@ -27,7 +27,6 @@ Per run (max over ranks, except losses):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ds_plugin._argparse import MAX_LOCAL_RANKS, ArgumentParser, choice_list, count, output_file
 from ds_plugin.bench._lora_workers import (
     FORMATS,
     LORA_RANK,
@@ -299,27 +299,33 @@ def _table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ds-plugin bench lora-memory`."""
-    parser = argparse.ArgumentParser(prog="ds-plugin bench lora-memory", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="ds-plugin bench lora-memory", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=count(1, MAX_LOCAL_RANKS), default=2)
     parser.add_argument("--size", choices=sorted(PRESETS), default="100m", help="model preset")
-    parser.add_argument("--hidden", type=int, help="hidden size (overrides the preset; 64 per head)")
-    parser.add_argument("--layers", type=int, help="decoder layers (overrides the preset)")
-    parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=1, help="samples per rank per step")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument("--hidden", type=count(), help="hidden size (overrides the preset; 64 per head)")
+    parser.add_argument("--layers", type=count(), help="decoder layers (overrides the preset)")
+    parser.add_argument("--seq", type=count(), default=16)
+    parser.add_argument("--batch", type=count(), default=1, help="samples per rank per step")
+    # The measured step must find the optimizer state built: 2 or more.
+    parser.add_argument("--steps", type=count(2), default=3)
+    parser.add_argument(
+        "--runs", type=choice_list(RUNS), default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}"
+    )
     parser.add_argument(
         "--no-isolate", action="store_true", help="all runs in one set of processes (fast; peak RSS cumulative)"
     )
-    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON report file (the PNG goes beside it)")
-    parser.add_argument("--png", help="chart file (default: --out with .png)")
+    parser.add_argument(
+        "--out", type=output_file, default=DEFAULT_OUT, help="JSON report file (the PNG goes beside it)"
+    )
+    parser.add_argument("--png", type=output_file, help="chart file (default: --out with .png)")
     args = parser.parse_args(argv)
-    runs = tuple(r.strip() for r in args.runs.split(",") if r.strip())
-    if not runs or set(runs) - set(RUNS):
-        parser.error(f"--runs {args.runs!r}: choose from {','.join(RUNS)}")
-    if args.steps < 2:
-        parser.error(f"--steps {args.steps}: need 2 or more (the measured step must find the optimizer state built)")
+    runs = tuple(args.runs)
+    if args.hidden is not None:
+        # `run` gives the model hidden // 64 heads; rotary embeddings need an even head size.
+        heads = max(1, args.hidden // 64)
+        if args.hidden % heads or (args.hidden // heads) % 2:
+            parser.error(f"argument --hidden: {args.hidden} does not split into {heads} heads of an even size")
     report = run(
         args.world_size,
         size=args.size,
@@ -335,8 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         fh.write(text + "\n")
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     try:
-        draw(report, args.png or os.path.splitext(args.out)[0] + ".png")
+        draw(report, png)
     except ImportError:
         print("no chart: matplotlib is not installed (pip install 'ds_plugin[bench]')", file=sys.stderr)
     print(text if args.json else _table(report))

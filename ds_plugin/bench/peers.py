@@ -18,7 +18,6 @@ repetition's median, the peak RSS, and the loss of the last step averaged over r
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, count, number, output_file
 from ds_plugin.bench._deepspeed_peer import deepspeed_env, deepspeed_version, engine_step
 from ds_plugin.bench.zero_memory import source_revision
 from ds_plugin.launch import run_ranks
@@ -360,16 +360,18 @@ def _table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ds-plugin bench peers`."""
-    parser = argparse.ArgumentParser(prog="ds-plugin bench peers", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="ds-plugin bench peers", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
     parser.add_argument("--names", nargs="+", choices=NAMES, default=list(NAMES), help="configs to run")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per config, in alternating order")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    parser.add_argument("--out", help="also write the JSON report to this file")
-    parser.add_argument("--png", help="also draw the chart to this PNG file (needs matplotlib)")
+    parser.add_argument("--warmup", type=count(0), default=3, help="untimed steps per run")
+    parser.add_argument("--steps", type=count(), default=12, help="timed steps per run")
+    parser.add_argument("--repeats", type=count(), default=3, help="runs per config, in alternating order")
+    parser.add_argument(
+        "--timeout", type=number(0, MAX_TIMEOUT_S, above_minimum=True), default=900, help="seconds per run"
+    )
+    parser.add_argument("--out", type=output_file, help="also write the JSON report to this file")
+    parser.add_argument("--png", type=output_file, help="also draw the chart to this PNG file (needs matplotlib)")
     parser.add_argument(
         "--host-memory-reuse",
         choices=("on", "off"),
@@ -387,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         host_memory_reuse=args.host_memory_reuse == "on",
     )
     text = json.dumps(report, indent=2)
+    for path in filter(None, (args.out, args.png)):  # missing folders were allowed while parsing
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")

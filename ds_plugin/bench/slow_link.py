@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, tc_quantity
 from ds_plugin.bench._slow_link_worker import CONFIGS, floors, model_params, summarize
 
 __all__ = ["Link", "benchmark", "link_commands", "main", "parse_args", "stale_namespaces"]
@@ -304,36 +305,40 @@ def _commit() -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line."""
-    parser = argparse.ArgumentParser(prog="ds-plugin bench slow-link", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="ds-plugin bench slow-link", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--hidden", type=int, default=2048, help="model width; each block is h->4h->h (2048)")
-    parser.add_argument("--layers", type=int, default=2, help="MLP blocks (2: 67M parameters at h=2048)")
-    parser.add_argument("--batch", type=int, default=8, help="rows per rank per step; tiny so compute is small (8)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per config (5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
-    parser.add_argument("--rate", default="1gbit", help="link rate per direction, tc syntax (1gbit)")
-    parser.add_argument("--burst", default="256kb", help="tbf burst, tc syntax (256kb)")
-    parser.add_argument("--latency", default="100ms", help="tbf latency (queue limit), tc syntax (100ms)")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay in ms (0: none)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per config before its ranks die")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    parser.add_argument("--hidden", type=count(), default=2048, help="model width; each block is h->4h->h (2048)")
+    parser.add_argument("--layers", type=count(), default=2, help="MLP blocks (2: 67M parameters at h=2048)")
+    parser.add_argument("--batch", type=count(), default=8, help="rows per rank per step; tiny so compute is small (8)")
+    parser.add_argument("--steps", type=count(), default=5, help="timed steps per config (5)")
+    parser.add_argument("--warmup", type=count(0), default=2, help="untimed steps first (2)")
+    # tc's syntax is checked here: a typo would otherwise surface as a skipped run, or break the report's floors.
+    parser.add_argument("--rate", type=tc_quantity("rate"), default="1gbit", help="link rate per direction (1gbit)")
+    parser.add_argument("--burst", type=tc_quantity("size"), default="256kb", help="tbf burst, tc syntax (256kb)")
+    parser.add_argument(
+        "--latency", type=tc_quantity("time"), default="100ms", help="tbf queue limit, tc syntax (100ms)"
+    )
+    # A minute one-way is past any WAN link the benchmark models.
+    parser.add_argument("--delay-ms", type=number(0, 60_000), default=0.0, help="one-way netem delay in ms (0: none)")
+    parser.add_argument(
+        "--timeout",
+        type=number(0, MAX_TIMEOUT_S, above_minimum=True),
+        default=600.0,
+        help="seconds per config before its ranks die",
+    )
+    parser.add_argument(
+        "--configs",
+        type=choice_list(CONFIGS),
+        default=",".join(CONFIGS),
+        help=f"comma-separated, from {', '.join(CONFIGS)}",
+    )
     parser.add_argument(
         "--host-memory-reuse",
         choices=("on", "off"),
         default="on",
         help="glibc malloc keeps freed memory in every rank of every config, DeepSpeed's too (on; see README)",
     )
-    args = parser.parse_args(argv)
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = sorted(set(args.configs) - set(CONFIGS))
-    if bad:
-        parser.error(f"unknown config(s) {', '.join(bad)}")
-    for name in ("hidden", "layers", "batch", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    if args.warmup < 0 or args.delay_ms < 0 or args.timeout <= 0:
-        parser.error("--warmup and --delay-ms must be >= 0 and --timeout > 0")
-    return args
+    return parser.parse_args(argv)
 
 
 def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:

@@ -17,16 +17,17 @@ An fp32 master, a gradient or optimizer state for a frozen parameter would show 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json
 import math
+import os
 import platform
 from typing import Any
 
 import torch
 
+from ds_plugin._argparse import MAX_LOCAL_RANKS, ArgumentParser, count, output_file
 from ds_plugin.bench._model_states import CATEGORIES, COLORS, FROZEN_CATEGORIES, Ledger, Recorder, source_revision
 from ds_plugin.estimate import lora_model_state_bytes, zero_model_state_bytes
 from ds_plugin.launch import run_ranks
@@ -376,19 +377,22 @@ def _table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ds-plugin bench zero-memory`."""
-    parser = argparse.ArgumentParser(prog="ds-plugin bench zero-memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
+    parser = ArgumentParser(prog="ds-plugin bench zero-memory", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=count(1, MAX_LOCAL_RANKS), default=4)
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--n-layer", type=count(), default=4)
+    parser.add_argument("--n-embd", type=count(), default=512, help="GPT-2 width, a multiple of its 8 heads")
+    parser.add_argument("--vocab", type=count(), default=16384)
+    parser.add_argument("--seq", type=count(), default=32)
+    parser.add_argument("--batch", type=count(), default=1)
+    # The measured step must find the optimizer state built: 2 or more.
+    parser.add_argument("--steps", type=count(2), default=2)
     parser.add_argument("--no-lora", action="store_true", help="skip the LoRA case")
-    parser.add_argument("--out", help="also write the JSON report to this file")
-    parser.add_argument("--png", help="also draw the chart to this PNG file (needs matplotlib)")
+    parser.add_argument("--out", type=output_file, help="also write the JSON report to this file")
+    parser.add_argument("--png", type=output_file, help="also draw the chart to this PNG file (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.n_embd % 8:  # the model has 8 heads; the ranks would fail on it after starting up
+        parser.error(f"argument --n-embd: {args.n_embd} is not a multiple of the 8 attention heads")
     report = run(
         args.world_size,
         n_layer=args.n_layer,
@@ -400,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         lora_stages=() if args.no_lora else None,
     )
     text = json.dumps(report, indent=2)
+    for path in filter(None, (args.out, args.png)):  # missing folders were allowed while parsing
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
