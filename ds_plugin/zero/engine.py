@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
 from ds_plugin.quant.frozen import load_quantized_parts, quantized_parts_state, quantized_weights
 from ds_plugin.zero.apply import is_zero_applied, plan_for
 from ds_plugin.zero.comms_logger import CommsLogger
+from ds_plugin.zero.faults import peer_failure_guard
 from ds_plugin.zero.mesh import ZeroSetupError, torch_dtype
 from ds_plugin.zero.optimizer import (
     LocalShards,
@@ -166,7 +169,8 @@ class ZeroEngine:
         return [p for p in self._params if p.requires_grad]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with peer_failure_guard("forward", self.global_steps + 1):
+            return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> ZeroEngine:
         """Set the module's training mode.
@@ -230,7 +234,8 @@ class ZeroEngine:
             loss = self.loss_scaler.scale_loss(loss)
         sync = self._no_sync_depth == 0 and (self._sync_every_micro_step or self.is_gradient_accumulation_boundary())
         self._set_fsdp_sync(sync)
-        loss.backward(retain_graph=retain_graph)
+        with peer_failure_guard("backward", self.global_steps + 1):
+            loss.backward(retain_graph=retain_graph)
 
     def step(self) -> bool:
         """End a micro-step; at an accumulation boundary run the optimizer step. Returns whether it stepped.
@@ -244,7 +249,8 @@ class ZeroEngine:
         if not boundary:
             return False
         self.global_steps += 1
-        stepped = self._optimizer_step()
+        with peer_failure_guard("the optimizer step", self.global_steps):
+            stepped = self._optimizer_step()
         self.skipped_steps += not stepped
         if self.comms_logger is not None:
             self.comms_logger.step()
@@ -479,3 +485,52 @@ class ZeroEngine:
         self.skipped_steps = int(state["skipped_steps"])
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    # ------------------------------------------------------------------ DeepSpeed's checkpoint API
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> Path:
+        """Save weights, optimizer, counters and `client_state` to `save_dir/<tag>`; a collective: every rank calls it.
+
+        Atomic: a crash mid-save leaves the older checkpoints and `latest` as they were.
+
+        Args:
+            save_dir: the run's checkpoint directory.
+            tag: the checkpoint's name; default `global_step<N>`.
+            client_state: the loop's own state as JSON (epoch, batches consumed, ...), returned by `load_checkpoint`.
+            save_latest: point `save_dir/latest` at this checkpoint.
+        """
+        from ds_plugin.zero.resume import save_engine_dir
+
+        with peer_failure_guard("save_checkpoint", self.global_steps):
+            return save_engine_dir(self, save_dir, tag, client_state, save_latest=save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[Path | None, dict[str, Any]]:
+        """Load `load_dir/<tag>`, by default the newest complete checkpoint; returns (its path, its client_state).
+
+        Returns (None, {}) when `load_dir` holds no complete checkpoint (a fresh start). Any stage, any world size.
+
+        Args:
+            load_dir: the directory `save_checkpoint` wrote into.
+            tag: a checkpoint name; default what `ds_plugin.zero.resume.latest_checkpoint` picks (`latest` if it
+                is complete; partial or damaged directories are reported and skipped).
+            load_optimizer_states: also load the optimizer state.
+            load_module_only: load the weights only (no optimizer, no step counters).
+        """
+        from ds_plugin.zero.resume import load_engine_dir
+
+        with peer_failure_guard("load_checkpoint", self.global_steps):
+            return load_engine_dir(
+                self, load_dir, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
+            )
