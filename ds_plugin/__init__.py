@@ -1,7 +1,8 @@
 """ds_plugin: DeepSpeed's ZeRO, ZeRO++ and mixed precision on torch.distributed's FSDP2.
 
 Public verbs: `load_config` (a preset name, a DeepSpeed JSON/YAML path, or a dict), `initialize` (model +
-config -> ZeRO engine), `apply_zero`, `quantize_frozen_` (frozen Linear weights stored as INT8 / INT4 / NF4),
+config -> ZeRO engine), `init_distributed` (DeepSpeed's: the process group, a 10-minute collective
+timeout), `apply_zero`, `quantize_frozen_` (frozen Linear weights stored as INT8 / INT4 / NF4),
 `save_adapter` (a peft adapter trained at any ZeRO stage, saved whole), and the config types. Importing the
 package also makes the Lightning strategy names (zero0..zero3, zero3_offload, zeropp) available: at once when
 Lightning is already imported, else the moment it is.
@@ -38,6 +39,10 @@ def __getattr__(name: str):
         from ds_plugin.zero.apply import apply_zero
 
         return apply_zero
+    if name == "init_distributed":
+        from ds_plugin.zero.faults import init_distributed
+
+        return init_distributed
     if name == "save_adapter":
         from ds_plugin.adapters import save_adapter
 

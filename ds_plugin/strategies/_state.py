@@ -18,6 +18,7 @@ from ds_plugin.strategies._config import ConfigSource, load_strategy_config
 from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
+from ds_plugin.zero.faults import default_timeout, peer_failure_guard
 from ds_plugin.zero.optimizer import OptimizerSpec
 from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, resolve_plan
 from ds_plugin.zero.setup import setup_zero
@@ -48,6 +49,7 @@ class ZeroStrategyState:
     """The engine-facing state of a ZeRO strategy; subclasses set `_not_set_up` to say how to set one up."""
 
     _not_set_up = "the model is not set up yet"
+    _resume_hint = "load the newest complete checkpoint to resume"
     _config: TrainingConfig
 
     # The Lightning strategy arguments each adapter passes to its base class (the framework sets them); every other
@@ -66,6 +68,8 @@ class ZeroStrategyState:
             sync_module_states: start every rank from rank 0's weights.
         """
         framework = {k: v for k, v in kwargs.items() if k in self._FRAMEWORK_ARGS}
+        # Lightning's default is torch's 30 minutes; a dead or frozen rank should end the job sooner.
+        framework.setdefault("timeout", default_timeout())
         overrides = {k: v for k, v in kwargs.items() if k not in self._FRAMEWORK_ARGS}
         options = ("config", "block_types", "sync_module_states", *self._FRAMEWORK_ARGS)
         self._config, self._explicit = load_strategy_config(
@@ -89,6 +93,11 @@ class ZeroStrategyState:
         if self._engine is None:
             raise RuntimeError(f"{type(self).__name__}.engine: {self._not_set_up}")
         return self._engine
+
+    def _peer_guard(self, what: str) -> Any:
+        """A collective that fails because another rank died becomes one-line `RankFailureError` with the step."""
+        step = self._engine.global_steps + 1 if self._engine is not None else None
+        return peer_failure_guard(what, step, self._resume_hint)
 
     def _zero_precision(self) -> ZeroPrecision:
         """The strategy's `ZeroPrecision` (Lightning calls it `precision_plugin`, Fabric `precision`)."""
@@ -131,4 +140,5 @@ class ZeroStrategyState:
             sync_module_states=self._sync_module_states,
             device=self.root_device,
         )
+        self._engine.resume_hint = self._resume_hint
         return self._engine

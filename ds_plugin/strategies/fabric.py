@@ -53,11 +53,13 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
         block_types: module classes or names to shard separately; default the transformers models' blocks.
         sync_module_states: start every rank from rank 0's weights, as DDP does.
         kwargs: Lightning's strategy arguments (`process_group_backend`: default "gloo" on CPU, "nccl" on CUDA;
-            `timeout`: the process group's; `accelerator`, `parallel_devices`, `cluster_environment`,
+            `timeout`: the process group's collective timeout, default 10 minutes (`DS_PLUGIN_TIMEOUT`
+            seconds), not torch's 30; `accelerator`, `parallel_devices`, `cluster_environment`,
             `checkpoint_io`, `precision`: Fabric sets them), and top-level DeepSpeed keys merged over `config`.
     """
 
     _not_set_up = "call fabric.setup(model, optimizer) first"
+    _resume_hint = "fabric.load(path, state) of the last checkpoint fabric.save wrote resumes the run"
 
     _FRAMEWORK_ARGS = (
         "accelerator",

@@ -47,7 +47,8 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
             `_no_split_modules`, else the repeated children of `nn.ModuleList`s.
         sync_module_states: start every rank from rank 0's weights, as DDP does.
         kwargs: Lightning's strategy arguments (`process_group_backend`: default "gloo" on CPU, "nccl" on CUDA;
-            `timeout`: the process group's; `accelerator`, `parallel_devices`, `cluster_environment`,
+            `timeout`: the process group's collective timeout, default 10 minutes (`DS_PLUGIN_TIMEOUT`
+            seconds), not torch's 30; `accelerator`, `parallel_devices`, `cluster_environment`,
             `checkpoint_io`, `precision_plugin`: the Trainer sets them), and top-level DeepSpeed keys merged over
             `config`, e.g. `gradient_clipping=0.5`, `zero_optimization={"offload_optimizer": {"device": "cpu"}}`.
     """
@@ -55,6 +56,7 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
     strategy_name = "zero"
 
     _not_set_up = "the model is not set up yet; the Trainer sets it up in fit()"
+    _resume_hint = 'Trainer.fit(..., ckpt_path="last") resumes from the newest complete checkpoint'
 
     _FRAMEWORK_ARGS = (
         "accelerator",
@@ -172,8 +174,13 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
 
     def _redirect(self, context: Any, method: str, args: tuple, kwargs: dict) -> Any:
         # Through the module's own call, so FSDP2's root hooks (gather, input cast) run around the step.
-        with context():
+        with context(), self._peer_guard(method):
             return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        with self._peer_guard("the training step"):  # the closure runs training_step and backward inside
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -108,6 +108,8 @@ class ZeroEngine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
+        # How the framework driving this engine resumes a run, for the error a dead peer causes (None: this API's).
+        self.resume_hint: str | None = None
         self._boundary: bool | None = None
         self._no_sync_depth = 0
         self._fsdp_sync = True
@@ -169,7 +171,7 @@ class ZeroEngine:
         return [p for p in self._params if p.requires_grad]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with peer_failure_guard("forward", self.global_steps + 1):
+        with peer_failure_guard("forward", self.global_steps + 1, self.resume_hint):
             return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> ZeroEngine:
@@ -234,7 +236,7 @@ class ZeroEngine:
             loss = self.loss_scaler.scale_loss(loss)
         sync = self._no_sync_depth == 0 and (self._sync_every_micro_step or self.is_gradient_accumulation_boundary())
         self._set_fsdp_sync(sync)
-        with peer_failure_guard("backward", self.global_steps + 1):
+        with peer_failure_guard("backward", self.global_steps + 1, self.resume_hint):
             loss.backward(retain_graph=retain_graph)
 
     def step(self) -> bool:
@@ -249,7 +251,7 @@ class ZeroEngine:
         if not boundary:
             return False
         self.global_steps += 1
-        with peer_failure_guard("the optimizer step", self.global_steps):
+        with peer_failure_guard("the optimizer step", self.global_steps, self.resume_hint):
             stepped = self._optimizer_step()
         self.skipped_steps += not stepped
         if self.comms_logger is not None:
@@ -507,7 +509,7 @@ class ZeroEngine:
         """
         from ds_plugin.zero.resume import save_engine_dir
 
-        with peer_failure_guard("save_checkpoint", self.global_steps):
+        with peer_failure_guard("save_checkpoint", self.global_steps, self.resume_hint):
             return save_engine_dir(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(
@@ -530,7 +532,7 @@ class ZeroEngine:
         """
         from ds_plugin.zero.resume import load_engine_dir
 
-        with peer_failure_guard("load_checkpoint", self.global_steps):
+        with peer_failure_guard("load_checkpoint", self.global_steps, self.resume_hint):
             return load_engine_dir(
                 self, load_dir, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
             )
