@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate.accelerator import Accelerator as AccelerateAccelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -41,6 +41,7 @@ from ds_plugin.strategies._config import batch_size
 from ds_plugin.strategies._model import repoint_scheduler
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
+from ds_plugin.zero.faults import default_timeout
 from ds_plugin.zero.mesh import data_parallel_mesh
 from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, resolve_plan
 from ds_plugin.zero.setup import has_meta, setup_zero
@@ -80,6 +81,10 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         if self._fp8:
             # Accelerate's fp8 needs torchao/TE/MS-AMP; here it is the config's fp8 block on bf16 compute.
             kwargs["mixed_precision"] = "bf16"
+        handlers = list(kwargs.get("kwargs_handlers") or [])
+        if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+            # A dead or frozen rank should end the job in minutes, not torch's 30 (see ds_plugin.zero.faults).
+            kwargs["kwargs_handlers"] = [*handlers, InitProcessGroupKwargs(timeout=default_timeout())]
         super().__init__(**kwargs)
         if self.distributed_type not in _SUPPORTED_TYPES:
             raise ConfigError(
@@ -146,6 +151,7 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
             sync_module_states=self.zero_plugin.sync_module_states,
             device=self.device,
         )
+        self._engine.resume_hint = "accelerator.load_state(dir) of the last save_state resumes the run"
         if model not in self._models:
             self._models.append(model)
         model._is_accelerate_prepared = True
