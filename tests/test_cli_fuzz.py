@@ -547,7 +547,6 @@ def test_export_writes_and_reports_a_full_disk_in_one_line(tmp_path: Path, monke
     assert line.startswith("ds-plugin export: error: ") and "model.safetensors" in line
 
 
-@pytest.mark.xfail(strict=True, reason="ds_plugin/zero/checkpoint.py: dict(info['files']) on a marker's list")
 def test_export_marker_with_a_files_list(tmp_path: Path) -> None:
     (tmp_path / "ds_plugin_checkpoint.json").write_text('{"format": "ds_plugin.dcp", "version": 1, "files": [1]}')
     assert_one_line_error(["export", str(tmp_path), str(tmp_path / "out")], str(tmp_path))

@@ -13,6 +13,7 @@ import base64
 import io
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,15 @@ def _encode(state: Any) -> str:
 def _decode(text: str, path: Path) -> Any:
     try:
         return torch.load(io.BytesIO(base64.b64decode(text)), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, ValueError) as e:
+    except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError) as e:  # TypeError: a forged non-string
+        # torch's message suggests `weights_only=False`, which would run whatever a forged checkpoint holds: name
+        # the refused global instead, and allow-listing only for the user's own classes in their own checkpoints.
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-        first = next((ln for ln in lines if "Unsupported global" in ln), lines[0])
+        what = found.group(1) if found else f"an object ({lines[0]})"
         raise CheckpointError(
-            f"{path}: the framework state holds an object that is not plain data ({first}); allow its class with "
-            "torch.serialization.add_safe_globals([...]) before loading"
+            f"{path}: the framework state holds {what}, which is not plain data; refusing to unpickle it — if this "
+            "checkpoint is your own and the class yours, allow it with torch.serialization.add_safe_globals([...])"
         ) from None
 
 

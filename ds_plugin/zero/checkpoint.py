@@ -2,33 +2,40 @@
 
 One directory per checkpoint. Every rank writes its own shards (DCP's FileSystemWriter); rank 0 adds
 `ds_plugin_checkpoint.json` (format version, the sha256 of DCP's `.metadata`, the size of every file, and
-the caller's small JSON `extra`). The directory is written under a temporary sibling name and renamed
-into place only once complete, so a crash mid-write never leaves a half checkpoint under the final name
-and never touches an older one. A checkpoint saved at world size W loads at any W', including a single
+the caller's small JSON `extra`). A checkpoint saved at world size W loads at any W', including a single
 process without torch.distributed (DCP reshards on load).
+
+Crash safety. A save writes `.NAME.partial-<id>` beside NAME, marker last, and renames it to NAME only once
+complete, so a crash (even SIGKILL) before that leaves NAME as it was. `overwrite=True` puts the new directory in
+place with one atomic step where Linux offers one (`renameat2(RENAME_EXCHANGE)`, through ctypes): NAME holds the
+old checkpoint or the new one at every instant, and the old one, now under the temporary name, is deleted after.
+Elsewhere (another OS, a filesystem or sandbox without it) it takes two renames: NAME to `.NAME.old-<id>`, then
+the new one to NAME, then the old one's marker deleted before the rest of it. A crash between the renames leaves
+NAME missing and a `.NAME.old-<id>` with its marker: reads of NAME then read that, with a warning, and the next
+save to NAME first moves it back (only readers going through this module see that bridge). Every save to NAME
+deletes what crashed saves of NAME left (`.NAME.partial-*`, `.NAME.old-*`), and such a temporary directory is never
+read as a checkpoint: it is refused as incomplete. The directory moves are in `ds_plugin.zero._atomic_dir`.
 
 The pickle guard. DCP stores `.metadata` with `pickle` and its stock reader runs `pickle.load`, and its
 stock planner reads non-tensor values (optimizer hyper-parameters) with `torch.load(weights_only=False)`:
 either can run code from a crafted checkpoint. Here (1) nothing is read unless our marker file is present,
-has a known format version, and the `.metadata` bytes match the sha256 and every file the size it
-records; (2) `.metadata` is then unpickled by a restricted unpickler that only builds DCP's metadata
-classes (their Enum members also in the `getattr(Class, "NAME")` form that Python 3.11.0-3.11.4 write),
-`torch.Size`, dtypes, layouts and paths; (3) non-tensor values are loaded with
-`torch.load(weights_only=True)` (tensors already are). (1) catches foreign, truncated or edited
-checkpoints but not a forger, who can rewrite the marker too; (2) and (3) are what stop code execution
-even then. Not covered: a forged checkpoint can still hold wrong numbers or huge shapes.
+well-formed, has a known format version, and the `.metadata` bytes match the sha256 and every file the size it
+records; (2) `.metadata` is then unpickled by a restricted unpickler (`ds_plugin.zero._safe_pickle`) that only
+builds DCP's metadata classes (their Enum members also in the `getattr(Class, "NAME")` form that Python
+3.11.0-3.11.4 write), `torch.Size`, dtypes, layouts and paths, and the metadata may name no file but the
+checkpoint's own; (3) non-tensor values are loaded with `torch.load(weights_only=True)` (tensors already are).
+(1) catches foreign, truncated or edited checkpoints but not a forger, who can rewrite the marker too; (2) and (3)
+are what stop code execution even then. Not covered: a forged checkpoint can still hold wrong numbers or huge
+shapes.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
-import importlib
 import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import uuid
@@ -43,6 +50,15 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.fsdp import FSDPModule
+
+from ds_plugin.zero._atomic_dir import exchange as _exchange
+from ds_plugin.zero._atomic_dir import fsync_dir as _fsync_dir
+from ds_plugin.zero._atomic_dir import interrupted_swap as _interrupted_swap
+from ds_plugin.zero._atomic_dir import leftovers as _leftovers
+from ds_plugin.zero._atomic_dir import remove as _remove
+from ds_plugin.zero._atomic_dir import temporary as _temporary
+from ds_plugin.zero._atomic_dir import temporary_of as _temporary_of
+from ds_plugin.zero._safe_pickle import MetadataUnpickler as _MetadataUnpickler
 
 __all__ = [
     "MARKER",
@@ -101,66 +117,6 @@ def _one_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
-# -- the restricted unpickler ----------------------------------------------------------------------------------
-_PATH_MODULES = {"pathlib", "pathlib._local"}
-_PATH_NAMES = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # looks a layout up by name
-    ("collections", "OrderedDict"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-}
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"  # plain dataclasses and enums only
-
-
-def _enum_member(cls: Any, name: Any) -> enum.Enum:
-    """Stands in for `builtins.getattr` in `.metadata`: resolves only `AllowedEnum.MEMBER`.
-
-    Python 3.11.0-3.11.4 pickle an Enum member as `getattr(EnumClass, "NAME")` (other versions pickle the class
-    and the value), so DCP metadata written there holds a `getattr` call. A general `getattr` would hand a
-    forger any attribute of an allowed class (`Path.write_text`, a function's `__globals__`), so this one
-    answers only with a member of an Enum class that DCP's metadata module defines.
-    """
-    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == _DCP_METADATA):
-        raise pickle.UnpicklingError(f"getattr on {cls!r} is not allowed in DCP metadata (only on its Enum classes)")
-    if not isinstance(name, str) or name not in cls.__members__:
-        raise pickle.UnpicklingError(f"getattr({cls.__name__}, {name!r}) is not allowed in DCP metadata: not a member")
-    return cls.__members__[name]
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """Builds only what DCP's `.metadata` legitimately holds; anything else is refused before it is imported.
-
-    The pure-Python unpickler, so that BUILD can be checked too: BUILD sets attributes on the object below it, and
-    on an allowed class (an Enum, a DCP dataclass, `Path`) that would change the class for the whole process, e.g.
-    add a fake Enum "member". Metadata only ever BUILDs the instances it creates.
-    """
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def _load_build(self) -> None:
-        target = self.stack[-2] if len(self.stack) > 1 else None
-        if isinstance(target, type):
-            raise pickle.UnpicklingError(f"setting attributes of {target.__name__} is not allowed in DCP metadata")
-        pickle._Unpickler.load_build(self)
-
-    dispatch[pickle.BUILD[0]] = _load_build
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module in _PATH_MODULES and name in _PATH_NAMES):
-            return super().find_class(module, name)
-        if (module, name) == ("builtins", "getattr"):
-            return _enum_member
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == _DCP_METADATA:
-            obj = getattr(importlib.import_module(module), name, None)
-            if isinstance(obj, type) and obj.__module__ == module:  # a class defined there, not a re-export
-                return obj
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -169,23 +125,53 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_checkpoint_info(path: str | os.PathLike) -> tuple[dict[str, Any], Metadata]:
-    """Verify a checkpoint directory and return (its marker dict, its DCP metadata), unpickled safely.
+def _resolve(root: Path) -> Path:
+    """The directory that holds the checkpoint named `root`: `root` itself, or what an interrupted swap set aside."""
+    name = _temporary_of(root)
+    if name is not None:
+        raise CheckpointError(
+            f"{root} is a temporary directory left by an interrupted save of {name}, an incomplete checkpoint; "
+            f"load {root.parent / name} (the next save to it deletes this directory)"
+        )
+    old = _interrupted_swap(root, MARKER)
+    if old is None:
+        return root
+    logger.warning(
+        "checkpoint %s is missing: a save with overwrite=True was interrupted after moving it aside to %s; reading it "
+        "from there (the next save to %s moves it back)",
+        root,
+        old.name,
+        root.name,
+    )
+    return old
 
-    Args:
-        path: the checkpoint directory.
 
-    Raises:
-        CheckpointError: not our checkpoint, a newer format, modified/truncated files, or disallowed pickle.
-    """
-    root = Path(path)
+def _valid_marker(info: dict[str, Any]) -> bool:
+    files = info.get("files")
+    return (
+        isinstance(files, dict)
+        and all(isinstance(n, str) and n == Path(n).name and n != ".." and type(v) is int for n, v in files.items())
+        and isinstance(info.get("metadata_sha256"), str)
+        and isinstance(info.get("extra", {}), dict)
+    )
+
+
+def _read(path: str | os.PathLike) -> tuple[Path, dict[str, Any], Metadata]:
+    """`read_checkpoint_info`, plus the directory actually read (see `_resolve`)."""
+    root = _resolve(Path(path))
     if not root.is_dir():
+        left = [] if root.exists() else _leftovers(root)
+        if left:
+            raise CheckpointError(
+                f"{root} does not exist: a save to it was interrupted before it finished (its incomplete "
+                f"{left[-1].name} is left); save it again"
+            )
         raise CheckpointError(f"{root} is not a directory; pass a checkpoint directory written by save_checkpoint")
     marker = root / MARKER
     if not marker.is_file():
         raise CheckpointError(
-            f"{root} is not a ds_plugin checkpoint (no {MARKER}); refusing to unpickle its .metadata — "
-            "only load checkpoints written by ds_plugin.zero.checkpoint.save_checkpoint"
+            f"{root} is not a ds_plugin checkpoint (no {MARKER}: an incomplete save, or another tool's); refusing to "
+            "unpickle its .metadata — only load checkpoints written by ds_plugin.zero.checkpoint.save_checkpoint"
         )
     try:
         info = json.loads(marker.read_text())
@@ -198,7 +184,10 @@ def read_checkpoint_info(path: str | os.PathLike) -> tuple[dict[str, Any], Metad
             f"{root} has checkpoint format version {info.get('version')!r}; this ds_plugin reads up to "
             f"{FORMAT_VERSION} — upgrade ds_plugin"
         )
-    for name, size in dict(info.get("files", {})).items():
+    if not _valid_marker(info):  # a hand-edited or forged marker: fail in one line, not in a traceback further on
+        raise CheckpointError(f"{marker} is malformed (files, metadata_sha256 or extra); the checkpoint is corrupted")
+    files = info["files"]
+    for name, size in files.items():
         if name == _METADATA:  # its sha256 is checked below
             continue
         f = root / name
@@ -207,8 +196,10 @@ def read_checkpoint_info(path: str | os.PathLike) -> tuple[dict[str, Any], Metad
             raise CheckpointError(
                 f"{f} has {actual} bytes, {size} recorded at save time: the checkpoint is truncated or corrupted"
             )
+    if not (root / _METADATA).is_file():
+        raise CheckpointError(f"{root} has no {_METADATA}: the checkpoint is incomplete or corrupted")
     data = (root / _METADATA).read_bytes()
-    if hashlib.sha256(data).hexdigest() != info.get("metadata_sha256"):
+    if hashlib.sha256(data).hexdigest() != info["metadata_sha256"]:
         raise CheckpointError(
             f"{root / _METADATA} does not match the sha256 recorded in {MARKER}: it was modified after the "
             "checkpoint was written; refusing to unpickle it"
@@ -219,7 +210,29 @@ def read_checkpoint_info(path: str | os.PathLike) -> tuple[dict[str, Any], Metad
         raise CheckpointError(f"{root / _METADATA} refused: {_one_line(e)}; refusing to load it") from e
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{root / _METADATA} does not hold DCP metadata; the checkpoint is corrupted")
-    return info, metadata
+    # DCP opens `root / relative_path` for every item: only the checkpoint's own, size-checked files.
+    storage = metadata.storage_data or {}
+    stray = [getattr(s, "relative_path", s) for s in (storage.values() if isinstance(storage, dict) else [storage])]
+    stray = [p for p in stray if not (isinstance(p, str) and p in files)]
+    if stray:
+        raise CheckpointError(
+            f"{root / _METADATA} refers to {repr(stray[0])[:80]}, not a file of this checkpoint: it is corrupted or "
+            "forged; refusing to load it"
+        )
+    return root, info, metadata
+
+
+def read_checkpoint_info(path: str | os.PathLike) -> tuple[dict[str, Any], Metadata]:
+    """Verify a checkpoint directory and return (its marker dict, its DCP metadata), unpickled safely.
+
+    Args:
+        path: the checkpoint directory.
+
+    Raises:
+        CheckpointError: not our checkpoint, a newer format, modified/truncated files, disallowed pickle, or the
+            temporary directory of an unfinished save.
+    """
+    return _read(path)[1:]
 
 
 class _VerifiedReader(FileSystemReader):
@@ -258,32 +271,23 @@ def _json_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _prepare_tmp(final: Path, overwrite: bool) -> tuple[str | None, str | None]:
-    """Rank 0: (error, temporary directory name). Clears temporaries that crashed saves left behind."""
-    if final.exists() and not overwrite:
-        return f"{final} already exists; choose a new directory or pass overwrite=True", None
+    """Rank 0: (error, temporary directory name). Repairs and clears what crashed saves of `final` left behind."""
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in final.parent.iterdir():
-            if stale.name.startswith(f".{final.name}.partial-"):
-                shutil.rmtree(stale, ignore_errors=True)
-        tmp = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
+        old = _interrupted_swap(final, MARKER)
+        if old is not None:  # NAME means the previous checkpoint until this save succeeds: put it back first
+            os.replace(old, final)
+            _fsync_dir(final.parent)
+            logger.warning("restored checkpoint %s from %s, set aside by an interrupted save", final, old.name)
+        if final.exists() and not overwrite:
+            return f"{final} already exists; choose a new directory or pass overwrite=True", None
+        for stale in _leftovers(final):
+            _remove(stale)
+        tmp = _temporary(final, "partial", uuid.uuid4().hex[:12])
         tmp.mkdir()
     except OSError as e:
         return f"cannot create a checkpoint next to {final}: {_one_line(e)}", None
     return None, tmp.name
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _finalize(tmp: Path, final: Path, info: dict[str, Any]) -> str | None:
@@ -296,14 +300,20 @@ def _finalize(tmp: Path, final: Path, info: dict[str, Any]) -> str | None:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        old = None
-        if final.exists():  # overwrite=True: swap, then delete, so a crash leaves one of the two intact
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+        if not (final.exists() or final.is_symlink()):
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        elif _exchange(tmp, final):  # `final` now holds the new checkpoint and `tmp` the old one
+            _fsync_dir(final.parent)
+            _remove(tmp)
+        else:  # two renames; a crash between them is bridged by `_interrupted_swap`
+            old = _temporary(final, "old", tmp.name.rsplit("-", 1)[1])
             os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+            if not old.is_symlink():  # first the marker: a half-deleted old directory must never look restorable
+                (old / MARKER).unlink(missing_ok=True)
+            _remove(old)
     except OSError as e:
         return f"cannot finish checkpoint {final}: {_one_line(e)}"
     return None
@@ -439,8 +449,7 @@ def load_checkpoint(
         model_state: the model state dict to fill (same keys as at save time).
         optimizer_state: the optimizer state dict to fill, or None to skip the optimizer.
     """
-    root = Path(path)
-    info, metadata = read_checkpoint_info(root)
+    root, info, metadata = _read(path)
     extra = info.get("extra", {})
     state: dict[str, Any] = {"model": model_state}
     if optimizer_state is not None:
@@ -459,8 +468,7 @@ def load_full_state_dict(path: str | os.PathLike, prefix: str = "model") -> dict
         path: the checkpoint directory.
         prefix: "model" for the weights, "optim" for the optimizer state.
     """
-    root = Path(path)
-    _, metadata = read_checkpoint_info(root)
+    root, _, metadata = _read(path)
     head = prefix + "."
     inner = {
         k[len(head) :]: torch.empty(tuple(md.size), dtype=md.properties.dtype)

@@ -111,6 +111,12 @@ def latest_checkpoint(save_dir: str | os.PathLike) -> Path | None:
     named = _read_latest(root)
     if named in complete:
         return root / named
+    if named is not None and not (root / named).exists():
+        try:  # an overwrite interrupted mid-swap: the checkpoint module reads the intact copy it set aside
+            read_checkpoint_info(root / named)
+            return root / named
+        except CheckpointError:
+            pass
     if named is not None:
         logger.warning("%s names %r, which is not a complete checkpoint; using the newest complete one", root / LATEST,
                        named)  # fmt: skip
