@@ -94,13 +94,25 @@ def test_unknown_key_suggests_the_closest():
         from_deepspeed({"zero_optimisation": {}})
 
 
-@pytest.mark.parametrize("text", ["{", '{"fp16": }', "", "null"])
+@pytest.mark.parametrize("text", ["{", '{"fp16": }', ""])
 def test_unreadable_files(text, tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text(text)
     assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert (len(err.splitlines()) == 1 and "c.json" in err) or "config" in err
+    assert len(err.splitlines()) == 1, err
+    assert "c.json" in err and "not valid JSON" in err, err
+
+
+def test_json_that_is_not_an_object(tmp_path, capsys):
+    # Valid JSON, so not an unreadable file: a bad config whose offending key is the whole config (as `[1, 2, 3]`
+    # in BAD).
+    path = tmp_path / "c.json"
+    path.write_text("null")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "config" in err and "expected an object" in err, err
 
 
 def test_missing_file(tmp_path, capsys):

@@ -257,7 +257,7 @@ def test_export_gpt2_to_transformers(tmp_path: Path, capsys: pytest.CaptureFixtu
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_embd"] == 16
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["missing_keys"], info["missing_keys"]  # a set or a list, by transformers version: empty either way
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
     assert model.lm_head.weight is model.transformer.wte.weight
     with torch.no_grad():

@@ -3,11 +3,14 @@
 One spawn per world size trains everything (the process start, not the steps, is what costs on two cores);
 the tests then check the recorded numbers:
 
-- per-step losses of every stage (and hpZ at 4 ranks) equal DDP's: fp32 within 1e-5 relative over 15 steps
-  of a tiny GPT-2 and a tiny Llama, bf16 within 1e-2;
+- per-step losses of every stage (and hpZ at 4 ranks) equal DDP's over 15 steps of a tiny GPT-2 and a tiny Llama
+  on a batch they can fit (`learnable_batch`), where DDP's loss must fall by more than a nat: fp32 within 1e-5
+  relative, bf16 within 2**-8;
 - 2 accumulation micro-steps equal one step on the concatenated batch, with no gradient communication
-  before the last micro-step;
+  before the last micro-step, and the weights moved;
 - gradient clipping by the global norm across shards equals `clip_grad_norm_` on the DDP model.
+
+A run whose optimizer never steps fails these (`DS_PLUGIN_TEST_NOOP_STEP=1`, see tests/_break.py).
 """
 
 from __future__ import annotations
@@ -15,16 +18,75 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_ranks
-from _tiny import MODELS, full_params, max_rel, quiet, train_ddp, train_engine, zero_config
+from _tiny import BATCH, MODELS, SEQ, full_params, max_rel, quiet, train_ddp, train_engine, zero_config
+from torch import nn
 
 pytestmark = pytest.mark.slow
 
 STEPS = 15
 STAGES = (0, 1, 2, 3)
 BF16_STAGES = (1, 2, 3)
+LR = 1e-3  # make_optimizer's default
+CYCLE = 16  # tokens the learnable batch uses, of the 128 in the vocabulary
+# The learnable batch repeats every step, so a run that never steps repeats its first loss exactly; one that learns
+# only which 16 of the 128 tokens occur already gains ln(128 / 16) = 2.1 nats. Demand half of that in 15 steps.
+MIN_FALL = 1.0
+# bf16 keeps 8 significant bits: one rounding moves a value by at most 2**-9 of it. The loss is an average over the
+# batch's 62 predicted tokens, so rounding the weights and activations to bf16 keeps it within one bf16 spacing
+# (2**-8 relative) of the fp32 loss; updates lost to bf16 rounding (no fp32 master: a 1e-3 step on a weight near 1
+# is under half its spacing, 2**-8) or a step that did not happen change it by a good part of the fall instead.
+BF16_REL = 2**-8
+
+
+def learnable_batch(rank: int, world: int, per_rank: int = BATCH) -> torch.Tensor:
+    """This rank's rows of one fixed global batch a tiny LM can fit in a few steps.
+
+    Every row walks one fixed cycle through 16 of the 128 tokens from its own starting point (distinct across
+    rows, so every rank sees different tokens): each token has one successor.
+    """
+    cycle = torch.randperm(CYCLE, generator=torch.Generator().manual_seed(7))
+    starts = torch.randperm(CYCLE, generator=torch.Generator().manual_seed(8))[: world * per_rank, None]
+    tokens = cycle[(starts + torch.arange(SEQ)) % CYCLE]
+    return tokens[rank * per_rank : (rank + 1) * per_rank]
+
+
+def _fit_ddp(model: nn.Module, rank: int, world: int) -> list[float]:
+    """Plain DistributedDataParallel + AdamW on `learnable_batch`: the reference every run is compared with."""
+    from _tiny import make_optimizer
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = make_optimizer("adamw", LR)(ddp.parameters())
+    x = learnable_batch(rank, world)
+    losses = []
+    for _ in range(STEPS):
+        loss = ddp(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _fit_engine(engine, rank: int, world: int) -> list[float]:
+    x = learnable_batch(rank, world)
+    losses = []
+    for _ in range(STEPS):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _max_moved(module: nn.Module, initial: dict[str, torch.Tensor]) -> float:
+    now = full_params(module)
+    return max((now[k] - initial[k]).abs().max().item() for k in initial)
 
 
 def _parity_worker(rank: int, world: int) -> dict:
+    import _break  # a fresh (spawned) process: the no-op step switch must be applied here too
+
+    _break.install()
     quiet()
     from _tiny import make_optimizer
 
@@ -32,14 +94,14 @@ def _parity_worker(rank: int, world: int) -> dict:
 
     out: dict = {}
     for name, build in MODELS.items():
-        out["ddp", name] = train_ddp(build(), rank, world, STEPS)["loss"]
+        out["ddp", name] = _fit_ddp(build(), rank, world)
         runs = [(s, "fp32", {}) for s in STAGES] + [(s, "bf16", {}) for s in BF16_STAGES]
         if world == 4:
             runs.append((3, "fp32", {"zero_hpz_partition_size": 2}))
         for stage, dtype, zero in runs:
-            engine = initialize(build(), zero_config(stage, dtype=dtype, **zero), make_optimizer("adamw"))
+            engine = initialize(build(), zero_config(stage, dtype=dtype, **zero), make_optimizer("adamw", LR))
             key = ("hpz", name) if zero else (name, stage, dtype)
-            out[key] = train_engine(engine, rank, world, STEPS)["loss"]
+            out[key] = _fit_engine(engine, rank, world)
     _accumulation(rank, world, out)
     _clipping(rank, world, out)
     return out
@@ -50,6 +112,7 @@ def _accumulation(rank: int, world: int, out: dict) -> None:
 
     from ds_plugin.zero.setup import initialize
 
+    initial = full_params(gpt2())  # every engine starts from these weights (seed 0)
     for stage in STAGES:
         whole = initialize(gpt2(), zero_config(stage), make_optimizer("adamw"))
         split = initialize(gpt2(), zero_config(stage, gas=2), make_optimizer("adamw"))
@@ -62,7 +125,8 @@ def _accumulation(rank: int, world: int, out: dict) -> None:
         x = batch(0, rank, world)
         probe.backward(probe(input_ids=x, labels=x).loss)
         silent = all(p.grad is None for p in probe.trainable_parameters())
-        out["accum", stage] = {"whole": a, "split": b, "param_diff": diff, "silent": silent}
+        moved = _max_moved(whole.module, initial)
+        out["accum", stage] = {"whole": a, "split": b, "param_diff": diff, "silent": silent, "moved": moved}
 
 
 def _clipping(rank: int, world: int, out: dict) -> None:
@@ -71,10 +135,12 @@ def _clipping(rank: int, world: int, out: dict) -> None:
     from ds_plugin.zero.setup import initialize
 
     clip = 0.05
+    initial = full_params(gpt2())
     out["clip", "ddp"] = train_ddp(gpt2(), rank, world, 5, clip=clip)
     for stage in STAGES:
         engine = initialize(gpt2(), zero_config(stage, clip=clip), make_optimizer("adamw"))
         out["clip", stage] = train_engine(engine, rank, world, 5)
+        out["clip", stage]["moved"] = _max_moved(engine.module, initial)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
@@ -83,11 +149,20 @@ def parity(request) -> tuple[int, list[dict]]:
     return world, run_ranks(_parity_worker, world, timeout=400)
 
 
+def assert_learns(losses: list[float], what: str) -> None:
+    """The loss on the repeated learnable batch fell by MIN_FALL nats: the optimizer stepped, and usefully."""
+    assert losses[-1] < losses[0] - MIN_FALL, (
+        f"{what} did not learn the learnable batch: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps"
+    )
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("stage", STAGES)
 def test_fp32_losses_match_ddp(parity, model, stage):
     _, results = parity
     for rank, r in enumerate(results):
+        assert_learns(r["ddp", model], f"rank {rank}: DDP {model}")  # equal to a reference that learns
+        # fp32 throughout: only the order of the reductions differs from DDP's.
         rel = max_rel(r[model, stage, "fp32"], r["ddp", model])
         assert rel < 1e-5, f"rank {rank}: stage {stage} {model} fp32 differs from DDP by {rel:.2e} relative"
 
@@ -99,8 +174,9 @@ def test_bf16_losses_match_ddp(parity, model, stage):
     for rank, r in enumerate(results):
         losses = r[model, stage, "bf16"]
         assert all(torch.isfinite(torch.tensor(losses)))
+        assert_learns(losses, f"rank {rank}: stage {stage} {model} bf16")
         rel = max_rel(losses, r["ddp", model])
-        assert rel < 1e-2, f"rank {rank}: stage {stage} {model} bf16 differs from fp32 DDP by {rel:.2e}"
+        assert rel < BF16_REL, f"rank {rank}: stage {stage} {model} bf16 differs from fp32 DDP by {rel:.2e}"
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -109,6 +185,7 @@ def test_hpz_losses_match_ddp(parity, model):
     if world != 4:
         pytest.skip("hpZ needs a secondary group smaller than the world (k=2 of 4 ranks)")
     for r in results:
+        assert_learns(r["ddp", model], f"DDP {model}")
         assert max_rel(r["hpz", model], r["ddp", model]) < 1e-5
 
 
@@ -126,6 +203,8 @@ def test_accumulation_equals_concatenated_batch(parity, stage):
     for r in results:
         acc = r["accum", stage]
         assert acc["silent"], "a non-final micro-step reduced gradients"
+        # AdamW's first step moves every weight that has a gradient by lr * g / (|g| + eps), about lr = 1e-3.
+        assert acc["moved"] > LR / 2, f"the weights did not move ({acc['moved']:.2e}): no optimizer step"
         assert max_rel(acc["split"], acc["whole"]) < 1e-5
         assert acc["param_diff"] < 1e-5
 
@@ -136,5 +215,7 @@ def test_clipping_equals_clip_grad_norm(parity, stage):
     for r in results:
         ref, got = r["clip", "ddp"], r["clip", stage]
         assert min(ref["norm"]) > 0.05 * 2, "the threshold must actually clip"
+        # AdamW is blind to the gradient's scale, so even clipped steps move weights by about lr = 1e-3.
+        assert got["moved"] > LR / 2, f"the weights did not move ({got['moved']:.2e}): no optimizer step"
         assert max_rel(got["norm"], ref["norm"]) < 1e-5
         assert max_rel(got["loss"], ref["loss"]) < 1e-5

@@ -24,7 +24,7 @@ def test_default_timeout_is_minutes_and_configurable(monkeypatch):
     assert default_timeout() == timedelta(seconds=45)
     for bad in ("0", "-3", "nan", "inf", "ten"):
         monkeypatch.setenv("DS_PLUGIN_TIMEOUT", bad)
-        with pytest.raises(ValueError, match="DS_PLUGIN_TIMEOUT=.*positive number of seconds"):
+        with pytest.raises(ValueError, match=r"DS_PLUGIN_TIMEOUT=.*positive number of seconds"):
             default_timeout()
 
 

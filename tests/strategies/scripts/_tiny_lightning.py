@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,31 @@ def regression_loader(n: int = 32, batch: int = 4, seed: int = 1) -> DataLoader:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=gen)
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=batch)
+
+
+CYCLE = 16  # tokens `cycle_loader` uses, of the VOCAB
+
+
+def cycle_loader(n: int = 16, batch: int = 2) -> DataLoader:
+    """Token rows a tiny LM learns in a few steps: each walks one fixed cycle through 16 of the 128 tokens from its
+    own start, so every token has one successor and every batch has the same statistics (the loss falls smoothly
+    from batch to batch). An untrained model scores about ln(128) = 4.85 on it; learning just which 16 tokens occur
+    is worth ln(128 / 16) = 2.1 nats."""
+    cycle = torch.randperm(CYCLE, generator=torch.Generator().manual_seed(7))
+    starts = torch.arange(n)[:, None] * 5  # 5 is prime to 16: 16 rows in a row start at 16 different places
+    return DataLoader(TensorDataset(cycle[(starts + torch.arange(SEQ)) % CYCLE]), batch_size=batch)
+
+
+def fit_loader(n: int = 16, batch: int = 4) -> DataLoader:
+    """A small regression set TinyMLP fits in a few steps: y = x @ w / 4 for one fixed w (unit variance).
+
+    16 rows: on two ranks, two batches of 4 each per epoch, so each optimizer step at `accumulate_grad_batches=2`
+    covers the whole set (in whatever order a sampler deals it) and the mean of its recorded losses (means over the
+    ranks) is the loss on the set, which a run that never steps repeats exactly.
+    """
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(2))
+    return DataLoader(TensorDataset(x, x @ w / 4), batch_size=batch)
 
 
 class CausalLM(pl.LightningModule):
@@ -127,6 +153,16 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def _install_test_switches() -> None:
+    """tests/_break.py's switches (DS_PLUGIN_TEST_NOOP_STEP), in this process and the ranks Lightning re-runs it as."""
+    tests = str(Path(__file__).resolve().parents[2])
+    if tests not in sys.path:
+        sys.path.append(tests)  # last: nothing the scripts import is shadowed by tests/'s folders
+    import _break
+
+    _break.install()
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
 
@@ -142,6 +178,7 @@ def run(
         extra(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    _install_test_switches()
     try:
         result = main(args)
     except BaseException:

@@ -1,7 +1,8 @@
 """Checkpointing through the Trainer with `ZeroStrategy`, on 2 CPU ranks.
 
-`--mode kill`: a zero3 fit with `ModelCheckpoint(save_last=True)` SIGKILLs itself (both ranks) at the start of
-its third epoch; `last.ckpt` (a DCP directory) then holds the end of epoch two.
+`--mode kill`: a zero3 fit with `ModelCheckpoint(save_last=True)` whose rank 1 SIGKILLs itself in the middle of
+the first step of its third epoch; rank 0 must then end on its own with `RankFailureError`; `last.ckpt` (a DCP
+directory) holds the end of epoch two.
 `--mode resume --killed DIR`: (1) the same fit uninterrupted; (2) `fit(ckpt_path="last")` from the killed run,
 which must end with the same weights and global step; (3) `trainer.save_checkpoint(...)` of the result (the
 pytest side runs `ds-plugin export` on it) and `validate(ckpt_path=...)` of it under zero1 (another stage);
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from _tiny_lightning import CausalLM, LossRecorder, full_weights, hf_model, max_diff, rank, run, token_loader, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -25,14 +25,14 @@ EPOCHS = 3
 
 
 class KillAtEpoch(pl.Callback):
-    """Both ranks SIGKILL themselves when `epoch` starts: a crash, not a clean exit."""
+    """Rank 1 alone SIGKILLs itself in the middle of the first step of `epoch` (after its forward, before its
+    backward): a crash of one process, which rank 0 must notice by itself."""
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, module: Any) -> None:
-        if trainer.current_epoch == self.epoch:
-            dist.barrier()
+    def on_before_backward(self, trainer: pl.Trainer, module: Any, loss: Any) -> None:
+        if trainer.current_epoch == self.epoch and rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
