@@ -9,9 +9,9 @@ are prepended to every attention layer (peft's `PrefixTuningConfig`, `num_virtua
 produced by a two-layer MLP (`--prefix-projection`); the GLM itself (`GlmForCausalLM`, native in transformers) is
 frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl. By default
 the GLM is a tiny random one built from a config and the text is read as bytes (nothing is downloaded);
-`--model PATH` loads a local checkpoint and its tokenizer instead. Compute is bf16 on GPUs and on CPUs with bf16
-units, else fp32 (a CPU without them runs bf16 matmuls ~8x slower). At the end the saved prefix is reloaded onto a
-fresh base and must reproduce the trained model's logits and greedy generations.
+`--model PATH` loads a local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM) and its tokenizer instead. Compute
+is bf16 on GPUs and on CPUs with bf16 units, else fp32 (a CPU without them runs bf16 matmuls ~8x slower). At the
+end the saved prefix is reloaded onto a fresh base and must reproduce the trained model's logits and generations.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ import os
 import time
 import warnings
 from pathlib import Path
+
+from _recipe_common import check_model_arg, load_tokenizer, pyplot, save_figure
+
+# A wrong --model fails here, with one line, before the imports below take their seconds.
+check_model_arg(architectures=("GlmForCausalLM", "Glm4ForCausalLM"))
+# ruff: noqa: E402
 
 import torch
 import torch.distributed as dist
@@ -36,24 +42,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values, peft still uses it
 
 
-class ByteTokenizer:
-    """Bytes as token ids, with three ids the text never uses; stands in for a checkpoint's tokenizer."""
-
-    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([self.bos_token_id] if add_special_tokens else []) + list(text.encode())
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if i > 2).decode(errors="replace")
-
-
 def build_base(model_path: str | None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM), or the same tiny random GLM on every call."""
     if model_path:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)  # frozen: stored in the compute dtype
+        # Frozen: stored in the compute dtype. Offline: a local checkpoint only, never the hub.
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
     from transformers import GlmConfig, GlmForCausalLM
 
     torch.manual_seed(0)
@@ -75,8 +70,7 @@ def encode_row(tok, row: dict) -> tuple[list[int], list[int]]:
 def collate(tok, rows: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pairs = [encode_row(tok, r) for r in rows]
     width = max(len(ids) for ids, _ in pairs)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in pairs], device=device)
+    ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in pairs], device=device)
     labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in pairs], device=device)
     mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in pairs], device=device)
     return ids, labels, mask
@@ -142,19 +136,14 @@ def check_reload(args, tok, path: Path, rows: list[dict], trained_logits, prompt
 
 
 def plot(losses: list[float], evals: list[tuple[int, float]], title: str, path: Path) -> None:
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
-
+    if (plt := pyplot()) is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(losses, lw=0.8, label="train answer loss (mean over ranks)")
     ax.plot(*zip(*evals, strict=True), marker="o", label="held-out answer loss")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"loss curve: {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -179,6 +168,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a short run that asserts the held-out loss went down")
     args = parser.parse_args()
     args.steps = args.steps or (60 if args.smoke else 500)
+    tok = load_tokenizer(args.model)  # bytes by default; a tokenizer without a pad token pads with EOS
     start = time.perf_counter()
 
     # Two processes share two cores: one thread each avoids oversubscription.
@@ -192,12 +182,6 @@ def main() -> None:
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
     train, held_out = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "test"]
     samples = [r["content"] for r in held_out[:3]]
-    if args.model:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.model)
-    else:
-        tok = ByteTokenizer()
 
     base = build_base(args.model, DTYPES[args.precision])
     # ChatGLM's PrefixEncoder: an embedding of pre_seq_len rows, each the keys and values of every layer; with the
@@ -250,8 +234,9 @@ def main() -> None:
         (before, acc0), (after, acc1) = evals[0][1:], evals[-1][1:]
         plot(losses, [(s, v) for s, v, _ in evals], f"P-Tuning v2 (pre_seq_len {args.pre_seq_len}), GLM, ZeRO-"
              f"{args.stage} {args.precision}", args.out_dir / "chatglm_ptuning.png")  # fmt: skip
-        print(f"\nGLM {total - trainable:,} frozen parameters, prefix encoder {trainable:,} trained; ZeRO-{args.stage}"
-              f" {args.precision}, frozen {args.frozen_format}, {world} ranks")  # fmt: skip
+        print(f"\nGLM ({args.model or 'tiny random'}) {total - trainable:,} frozen parameters, prefix encoder "
+              f"{trainable:,} trained; ZeRO-{args.stage} {args.precision}, frozen {args.frozen_format}, "
+              f"{world} ranks")  # fmt: skip
         print(f"held-out answer loss {before:.3f} -> {after:.3f}, next-token accuracy {acc0:.2f} -> {acc1:.2f}")
         for s, b, a in zip(samples, before_text, after_text, strict=True):
             print(f"  {s}\n    before: {b!r}\n    after:  {a!r}")

@@ -1,13 +1,14 @@
 """LoRA SFT on an INT4 frozen base with ZeRO++, through the Lightning Trainer: a tiny Llama learns to add.
 
-    python examples/lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] [--smoke]
+    python examples/lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] [--model PATH] [--smoke]
 
 The data is examples/data/arithmetic.jsonl: single-digit sums under five wordings ("What is 3 plus 4? ",
 "3 + 4 = ", ...). One row in five is held out, so its sum was seen only under other wordings, and held-out exact
 match (greedy answer == the digits) measures what the adapter learned. The base model is built from a config
 (nothing is downloaded) and stays frozen, its Linear weights stored as INT4 codes by the strategy
 (`frozen_format`) and sharded by ZeRO-3; LoRA adapters on every projection are the only trained weights. Text is
-read as bytes, so no tokenizer is needed. At the end the adapter is saved with `ds_plugin.save_adapter`, reloaded
+read as bytes, so no tokenizer is needed; `--model PATH` loads a local checkpoint (a causal LM with Llama's
+projections) and its tokenizer instead. At the end the adapter is saved with `ds_plugin.save_adapter`, reloaded
 onto a fresh base stored the same way, and must give the trained weights' logits. Lightning starts the second
 process by running this script again. On 8 GPUs: `python examples/lora_sft.py --devices 8 --precision bf16-mixed`.
 """
@@ -20,7 +21,13 @@ import math
 import os
 import time
 import warnings
+from functools import partial
 from pathlib import Path
+
+from _recipe_common import check_model_arg, check_model_build, load_tokenizer, pad, pyplot, save_figure, until
+
+check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
+# ruff: noqa: E402
 
 import lightning.pytorch as pl
 import torch
@@ -34,102 +41,88 @@ from ds_plugin.strategies import ZeroStrategy
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
 DATA = Path(__file__).parent / "data" / "arithmetic.jsonl"
-PAD, BOS, EOS = 0, 1, 2  # byte ids that never occur in the text
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def load(split: str) -> list[dict]:
     return [r for r in map(json.loads, DATA.read_text().splitlines()) if r["split"] == split]
 
 
-def encode(text: str) -> list[int]:
-    return list(text.encode())
-
-
-def decode(ids: list[int]) -> str:
-    """Bytes up to the first EOS (or PAD)."""
-    out = []
-    for i in ids:
-        if i in (EOS, PAD):
-            break
-        out.append(i)
-    return bytes(out).decode(errors="replace")
-
-
 class Examples(Dataset):
     """Training rows drawn with replacement, `length` in all (one epoch = the whole run; Lightning's sampler
     gives each rank its share). Loss only on the answer: the prompt's labels are -100."""
 
-    def __init__(self, rows: list[dict], length: int, seed: int = 0) -> None:
+    def __init__(self, rows: list[dict], length: int, tok, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.rows = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()]
+        self.rows, self.tok = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()], tok
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        prompt, answer = [BOS, *encode(self.rows[i]["prompt"])], [*encode(self.rows[i]["answer"]), EOS]
-        return prompt + answer, [-100] * len(prompt) + answer
+        tok, row = self.tok, self.rows[i]  # BOS prompt, answer EOS
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], add_special_tokens=False)
+        return prompt + answer + [tok.eos_token_id], [-100] * len(prompt) + answer + [tok.eos_token_id]
 
 
-def pad_right(batch: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids, _ in batch)
-    ids = torch.tensor([ids + [PAD] * (width - len(ids)) for ids, _ in batch])
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
-    return ids, labels
+def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded ids, attention mask and labels."""
+    return *pad([ids for ids, _ in batch], pad_id), pad([labels for _, labels in batch], -100)[0]
 
 
-def build_model(lora_rank: int) -> torch.nn.Module:
-    """The same random base on every call (fixed seed), with LoRA on every projection."""
+def build_model(lora_rank: int, model_path: str | None = None) -> torch.nn.Module:
+    """The same random base on every call (fixed seed), or --model's checkpoint, with LoRA on every projection."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    # initializer_range 0.05, not 0.02: the head and final norm stay frozen, and a random head that small caps
-    # every logit near 2.5, so the loss could not fall below ~2.5 nats however right the answers are.
-    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         initializer_range=0.05, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
-    base = LlamaForCausalLM(config)
+    if model_path:
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+    else:
+        # initializer_range 0.05, not 0.02: the head and final norm stay frozen, and a random head that small caps
+        # every logit near 2.5, so the loss could not fall below ~2.5 nats however right the answers are.
+        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        base = LlamaForCausalLM(config)
     if lora_rank == 0:
         return base
     return get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS))
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, prompts: list[str], new_tokens: int = 3) -> list[str]:
+def greedy(model: torch.nn.Module, tok, prompts: list[str], new_tokens: int = 3) -> list[str]:
     """Greedy answers for a batch of prompts, left-padded so every row's last token is its own."""
-    rows = [[BOS, *encode(p)] for p in prompts]
-    width = max(map(len, rows))
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows], device=model.device)
-    mask = (ids != PAD).long()
+    ids, mask = pad([tok.encode(p) for p in prompts], tok.pad_token_id, model.device, left=True)
+    width = ids.shape[1]
     for _ in range(new_tokens):  # a fixed count on every rank: ZeRO-3 gathers weights in each forward
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1]
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return [decode(row) for row in ids[:, width:].tolist()]
+    stops = (tok.eos_token_id, tok.pad_token_id)  # the text up to the first EOS (or PAD), as generated
+    return [tok.decode(until(row, *stops), skip_special_tokens=False) for row in ids[:, width:].tolist()]
 
 
 class LoRASFT(pl.LightningModule):
-    def __init__(self, lora_rank: int, lr: float, steps: int, held_out: list[dict]) -> None:
+    def __init__(self, lora_rank: int, lr: float, steps: int, held_out: list[dict], tok, model_path: str | None):
         super().__init__()
-        self.model = build_model(lora_rank)
-        self.lr, self.steps, self.held_out = lr, steps, held_out
+        self.model = build_model(lora_rank, model_path)
+        self.lr, self.steps, self.held_out, self.tok = lr, steps, held_out, tok
         self.losses: list[torch.Tensor] = []
         self.history: list[tuple[int, float]] = []  # (step, held-out exact match)
         self.predictions: dict[int, str] = {}
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        ids, labels = batch
-        loss = self.model(input_ids=ids, attention_mask=(ids != PAD).long(), labels=labels).loss
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        ids, mask, labels = batch
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
         self.losses.append(loss.detach())  # averaged over ranks once, at the end
         self.log("loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, indices: list[int], batch_idx: int) -> None:
         # Runs inside the strategy's root forward, so ZeRO-3 has gathered the root's weights for us.
-        answers = greedy(self.model, [self.held_out[i]["prompt"] for i in indices])
+        answers = greedy(self.model, self.tok, [self.held_out[i]["prompt"] for i in indices])
         self._mine.update(zip(indices, answers, strict=True))
 
     def on_validation_epoch_start(self) -> None:
@@ -154,38 +147,34 @@ class LoRASFT(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def check_reload(path: Path, adapter: dict, fmt: str, prompts: list[str]) -> tuple[float, list[str]]:
+def check_reload(path: Path, adapter: dict, args, tok, prompts: list[str]) -> tuple[float, list[str]]:
     """Load the saved adapter onto a fresh base stored in the same format (what a user of the adapter gets) and
     compare its logits with the trained weights' (the gathered fp32 masters on the same base); returns the
     largest logit difference and the reloaded model's answers."""
     from peft import PeftModel
 
-    reloaded = PeftModel.from_pretrained(build_model(lora_rank=0), path).eval()
-    trained = build_model(lora_rank=next(v.shape[0] for k, v in adapter.items() if "lora_A" in k)).eval()
+    reloaded = PeftModel.from_pretrained(build_model(0, args.model), path).eval()
+    trained = build_model(next(v.shape[0] for k, v in adapter.items() if "lora_A" in k), args.model).eval()
     missing = trained.load_state_dict(adapter, strict=False).missing_keys
     assert not any("lora_" in k for k in missing), "the gathered adapter does not fit the model"
     for model in (reloaded, trained):
-        ds_plugin.quantize_frozen_(model, fmt)
-    ids = torch.tensor([[BOS, *encode(p)] for p in prompts if len(p) == len(prompts[0])])  # one length: no padding
+        ds_plugin.quantize_frozen_(model, args.frozen_format)
+    rows = [tok.encode(p) for p in prompts]
+    ids = torch.tensor([r for r in rows if len(r) == len(rows[0])])  # one length: no padding
     with torch.no_grad():
         diff = (reloaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
-    return diff, [a for i in range(0, len(prompts), 50) for a in greedy(reloaded, prompts[i : i + 50])]
+    return diff, [a for i in range(0, len(prompts), 50) for a in greedy(reloaded, tok, prompts[i : i + 50])]
 
 
 def plot(losses: list[float], history: list[tuple[int, float]], path: Path) -> None:
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
-
+    if (plt := pyplot()) is None:
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(losses, lw=0.8)
     left.set(xlabel="step", ylabel="answer loss (mean over ranks)", yscale="log", title="LoRA SFT, INT4 base, ZeRO++")
     right.plot(*zip(*history, strict=True), marker="o")
     right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"loss curve: {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -199,11 +188,15 @@ def main() -> None:
     parser.add_argument("--strategy", default="zeropp", help="a preset (zero2, zero3, zeropp) or a DeepSpeed JSON")
     parser.add_argument("--precision", default="32-true", help="32-true on CPU; bf16-mixed on GPUs")
     parser.add_argument("--devices", default=None, help="default: 2 processes on CPU, every GPU otherwise")
+    parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: a tiny random Llama)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lora_sft"))
     parser.add_argument("--smoke", action="store_true", help="a short run that asserts exact match went up")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.evals = 120, 1
+    params = check_model_build(args.model, TARGETS)  # the rest of the --model check, now that torch is imported
+    base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
+    tok = load_tokenizer(args.model)  # bytes by default
     start = time.perf_counter()
     # Two processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -212,7 +205,7 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     world = int(args.devices) if args.devices else (torch.cuda.device_count() if gpu else 2)
     held_out = load("test")
-    train = Examples(load("train"), length=args.steps * args.micro_batch * world)
+    train = Examples(load("train"), args.steps * args.micro_batch * world, tok)
     trainer = pl.Trainer(
         # The zeropp preset (ZeRO-3 + qwZ/hpZ/qgZ) with the frozen Linear weights stored in 4 bits.
         strategy=ZeroStrategy(args.strategy, zero_optimization={"frozen_format": args.frozen_format}),
@@ -230,8 +223,8 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[TQDMProgressBar(refresh_rate=10)],
     )
-    module = LoRASFT(args.lora_rank, args.lr, args.steps, held_out)
-    train_loader = DataLoader(train, batch_size=args.micro_batch, collate_fn=pad_right)
+    module = LoRASFT(args.lora_rank, args.lr, args.steps, held_out, tok, args.model)
+    train_loader = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
     # Each validation batch is a list of held-out indices; validation_step builds its own prompts from them.
     val_loader = DataLoader(range(len(held_out)), batch_size=25, collate_fn=list)
     trainer.fit(module, train_loader, val_loader)
@@ -246,13 +239,15 @@ def main() -> None:
     if trainer.is_global_zero:
         before, after = module.history[0][1], module.history[-1][1]
         prompts = [r["prompt"] for r in held_out]
-        diff, reloaded = check_reload(path, adapter, args.frozen_format, prompts)
+        diff, reloaded = check_reload(path, adapter, args, tok, prompts)
         # The engine's own answers: under ZeRO++ its forward gathers weights as INT8 (qwZ), so a near tie may tip.
         trained = [module.predictions[i] for i in range(len(held_out))]
         agree = sum(a == b for a, b in zip(reloaded, trained, strict=True)) / len(trained)
         seconds = time.perf_counter() - start
         stage = trainer.strategy.config.stage
-        print(f"\nZeRO stage {stage}, {args.frozen_format} frozen base, LoRA r={args.lora_rank}, {world} ranks")
+        print(
+            f"\nZeRO stage {stage}, {args.frozen_format} frozen base ({base}); LoRA r={args.lora_rank}, {world} ranks"
+        )
         print(f"answer loss {losses[:10].mean():.3f} -> {losses[-10:].mean():.3f} in {args.steps} steps")
         print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums); e.g.")
         for r, a in list(zip(held_out, trained, strict=True))[:4]:

@@ -1,6 +1,6 @@
 """DeepSpeed-Chat's three RLHF steps on ds_plugin, on CPU with 2 processes: SFT, a reward model, then DPO.
 
-    torchrun --standalone --nproc-per-node 2 examples/rlhf.py [--step all|sft|reward|dpo] [--smoke]
+    torchrun --standalone --nproc-per-node 2 examples/rlhf.py [--step all|sft|reward|dpo] [--model PATH] [--smoke]
 
 1. SFT: LoRA on a tiny Llama (built from a config, nothing is downloaded) whose frozen base is stored INT4 and
    sharded by ZeRO-3, on mixed-quality demonstrations (examples/data/rlhf_sft.jsonl, good one time in four).
@@ -9,7 +9,8 @@
 3. DPO (Direct Preference Optimization; no PPO rollouts, critic or value head): a fresh LoRA on the SFT model against
    a frozen reference copy, each stored INT8 and sharded by its own engine. Signals: held-out preference accuracy and
    margin, and the reward model's mean score of answers sampled for held-out questions.
-Text is read as bytes (no tokenizer). `--step` runs one step alone, reading earlier steps' output from --out-dir.
+Text is read as bytes; `--model PATH` uses a local causal-LM checkpoint and its tokenizer for every model instead.
+`--step` runs one step alone, reading earlier steps' output from --out-dir.
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+from _recipe_common import check_model_arg, check_model_build, load_tokenizer, pad, pyplot, save_figure, until
+
+check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
+# ruff: noqa: E402
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.optim import AdamW
 from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
 import ds_plugin
 from ds_plugin.adapters import full_state_dict
@@ -36,8 +42,7 @@ from ds_plugin.adapters import full_state_dict
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
 DATA = Path(__file__).parent / "data"
-DEVICE = torch.device("cpu")  # main() picks this rank's GPU when there is one
-PAD, BOS, EOS = 0, 1, 2  # byte ids that never occur in the text
+DEVICE, TOK = torch.device("cpu"), load_tokenizer(None)  # main() picks this rank's GPU, --model's tokenizer
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")  # every projection; not the head
 
 
@@ -47,36 +52,33 @@ def rows(name: str, split: str, share: bool = False) -> list[dict]:
     return found[dist.get_rank() :: dist.get_world_size()] if share else found
 
 
-def llama(cls, hidden: int, layers: int) -> torch.nn.Module:
-    torch.manual_seed(0)  # the same random model on every call
+def llama(auto, hidden: int, layers: int, path: str | None) -> torch.nn.Module:
+    """An `auto` model (causal LM, or reward model): the same random Llama on every call, or --model's checkpoint."""
+    torch.manual_seed(0)
+    if path:  # the reward model scores the last token before the padding: it must know the tokenizer's pad id
+        return auto.from_pretrained(path, num_labels=1, pad_token_id=TOK.pad_token_id, dtype=torch.float32,
+                                    local_files_only=True)  # fmt: skip
     config = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
-                         initializer_range=0.05, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
-    model = cls(config)
-    if cls is LlamaForCausalLM:
+                         initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    model = auto.from_config(config)  # the same weights as LlamaForCausalLM(config) (or ...ForSequenceClassification)
+    if auto is AutoModelForCausalLM:
         # Head and final norm stay frozen; a random head this small caps the best logit's lead near 6 nats, leaving
         # ~20% of every sampled byte to chance however good the adapter. A pretrained head is sharper; so is this.
         model.lm_head.weight.data.mul_(3.0)
     return model
 
 
-def pad(seqs: list[list[int]], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
-    fill = [[PAD] * (width - len(s)) for s in seqs]
-    ids = torch.tensor([f + s if left else s + f for s, f in zip(seqs, fill, strict=True)], device=DEVICE)
-    return ids, (ids != PAD).long()
-
-
 def text_ids(prompt: str, response: str) -> tuple[list[int], int]:
     """BOS prompt response EOS, and where the response starts."""
-    head = [BOS, *prompt.encode()]
-    return [*head, *response.encode(), EOS], len(head)
+    head = TOK.encode(prompt)
+    return [*head, *TOK.encode(response, add_special_tokens=False), TOK.eos_token_id], len(head)
 
 
 def response_logps(model, prompts: list[str], responses: list[str]) -> torch.Tensor:
     """Summed log-probability of each response (and its EOS) given its prompt: the quantity DPO compares."""
     seqs, starts = zip(*(text_ids(p, r) for p, r in zip(prompts, responses, strict=True)), strict=True)
-    ids, mask = pad(list(seqs))
+    ids, mask = pad(list(seqs), TOK.pad_token_id, DEVICE)
     logps = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
     token = logps.gather(-1, ids[:, 1:, None])[..., 0]
     pos = torch.arange(ids.shape[1] - 1, device=DEVICE)[None]
@@ -86,22 +88,21 @@ def response_logps(model, prompts: list[str], responses: list[str]) -> torch.Ten
 
 def rm_scores(rm, prompts: list[str], responses: list[str]) -> torch.Tensor:
     """The reward model's scalar at the last real token (the EOS) of prompt + response."""
-    ids, mask = pad([text_ids(p, r)[0] for p, r in zip(prompts, responses, strict=True)])
+    ids, mask = pad([text_ids(p, r)[0] for p, r in zip(prompts, responses, strict=True)], TOK.pad_token_id, DEVICE)
     return rm(input_ids=ids, attention_mask=mask).logits[:, 0].float()
 
 
 @torch.no_grad()
 def sample(model, prompts: list[str], gen: torch.Generator, new_tokens: int = 32) -> list[str]:
     """Sampled answers (temperature 1), left-padded; as many steps on every rank (ZeRO-3 forwards are collectives)."""
-    ids, mask = pad([[BOS, *p.encode()] for p in prompts], left=True)
+    ids, mask = pad([TOK.encode(p) for p in prompts], TOK.pad_token_id, DEVICE, left=True)
     width = ids.shape[1]
     for _ in range(new_tokens):
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1].float()
         token = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen).to(DEVICE)
         ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
-    cut = [row[: row.index(EOS)] if EOS in row else row for row in ids[:, width:].tolist()]
-    return [bytes(t for t in row if t > 2).decode(errors="replace") for row in cut]
+    return [TOK.decode(until(row, TOK.eos_token_id), skip_special_tokens=True) for row in ids[:, width:].tolist()]
 
 
 def mean_over_ranks(*values: float) -> list[float]:
@@ -132,7 +133,7 @@ def zero3(frozen_format: str = "none") -> dict:
 def step_sft(args) -> dict:
     """LoRA on the INT4 actor base, loss on the response tokens only."""
     train_rows, mine = rows("rlhf_sft.jsonl", "train"), rows("rlhf_sft.jsonl", "test", share=True)
-    actor = get_peft_model(llama(LlamaForCausalLM, 128, 4), LORA)
+    actor = get_peft_model(llama(AutoModelForCausalLM, 128, 4, args.model), LORA)
     engine = ds_plugin.initialize(actor, zero3("int4"), optimizer=partial(AdamW, lr=2e-3))
 
     def loss_on(batch: list[dict]) -> torch.Tensor:
@@ -151,7 +152,7 @@ def step_sft(args) -> dict:
 def step_reward(args) -> dict:
     """A fully trained small reward model: pairwise loss, held-out pairwise accuracy."""
     train_rows, mine = rows("rlhf_pairs.jsonl", "train"), rows("rlhf_pairs.jsonl", "test", share=True)
-    rm = llama(LlamaForSequenceClassification, 64, 2)
+    rm = llama(AutoModelForSequenceClassification, 64, 2, args.model)
     engine = ds_plugin.initialize(rm, zero3(), optimizer=partial(AdamW, lr=5e-4))
 
     def margins(batch: list[dict]) -> torch.Tensor:
@@ -183,13 +184,13 @@ def step_dpo(args) -> dict:
     # The SFT model merged into one set of weights twice over: the actor's frozen base (a fresh LoRA trains on it)
     # and the reference, both stored INT8 and sharded, the reference with no optimizer. At step 0 they are equal.
     def sft_model() -> torch.nn.Module:
-        base = llama(LlamaForCausalLM, 128, 4)
+        base = llama(AutoModelForCausalLM, 128, 4, args.model)
         return PeftModel.from_pretrained(base, args.out_dir / "sft_adapter").merge_and_unload()
 
     actor = get_peft_model(sft_model(), LORA)
     policy = ds_plugin.initialize(actor, zero3("int8"), optimizer=partial(AdamW, lr=args.dpo_lr))
     reference = ds_plugin.initialize(sft_model().requires_grad_(False), zero3("int8"))
-    scorer = LlamaForSequenceClassification.from_pretrained(args.out_dir / "reward_model").requires_grad_(False)
+    scorer = AutoModelForSequenceClassification.from_pretrained(args.out_dir / "reward_model").requires_grad_(False)
     reward_model = ds_plugin.initialize(scorer, zero3())
 
     def log_ratios(batch: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,10 +226,8 @@ def step_dpo(args) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
+    if (plt := pyplot()) is None:
+        return
     titles = {"sft": "1. SFT (LoRA, INT4 base)", "reward": "2. reward model", "dpo": "3. DPO (INT8 reference)"}
     fig, axes = plt.subplots(1, len(results), figsize=(4.7 * len(results), 3.8), squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items(), strict=True):
@@ -241,9 +240,7 @@ def plot(results: dict, path: Path) -> None:
             twin.plot(steps, score, "o-", color="C1", label="reward-model score of samples (before, after)")
             twin.plot(steps, acc, "s--", color="C2", label="held-out preference accuracy (before, after)")
             twin.legend(loc="center left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"loss curve: {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -255,6 +252,7 @@ def main() -> None:
     parser.add_argument("--dpo-lr", type=float, default=5e-5, help="higher overfits: samples degrade")
     parser.add_argument("--beta", type=float, default=0.3, help="DPO's KL strength")
     parser.add_argument("--samples", type=int, default=4, help="sampled answers per held-out question")
+    parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: tiny random Llamas)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/rlhf"))
     parser.add_argument("--smoke", action="store_true", help="short steps that assert every signal's direction")
     args = parser.parse_args()
@@ -263,7 +261,9 @@ def main() -> None:
     start = time.perf_counter()
     # Two processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    global DEVICE
+    global DEVICE, TOK
+    check_model_build(args.model, reward_model=True)  # the rest of the --model check, now that torch is imported
+    TOK = load_tokenizer(args.model)
     if torch.cuda.is_available():
         DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(DEVICE)
@@ -283,7 +283,7 @@ def main() -> None:
             print(f"{'':8}held-out preference accuracy {acc0:.2f} -> {acc1:.2f}, margin {margin0:.2f} -> {margin1:.2f}")
             for question, sft, dpo in results["dpo"]["examples"]:
                 print(f"        {question!r}\n          SFT: {sft!r}\n          DPO: {dpo!r}")
-        print(f"adapters and reward model in {args.out_dir}")
+        print(f"adapters and reward model in {args.out_dir}; base: {args.model or 'tiny random Llamas'}")
         last = results[chosen[-1]]
         print(json.dumps({"recipe": "rlhf", "metric": last["metric"], "before": last["before"], "after": last["after"],
                           "seconds": round(time.perf_counter() - start, 1)}))  # fmt: skip

@@ -1,12 +1,13 @@
 """LoRA SFT on an INT4 frozen base with ZeRO++, as an Accelerate script: examples/lora_sft.py's recipe, same data.
 
     accelerate launch --config_file examples/accelerate/cpu_2proc.yaml -m ds_plugin.accelerate --ds-config zeropp \
-        examples/accelerate/lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] [--smoke]
+        examples/accelerate/lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] [--model PATH] [--smoke]
     torchrun --standalone --nproc-per-node 2 examples/accelerate/lora_sft.py      # the same, ZeRO++ by default
 
 A tiny Llama built from a config (nothing is downloaded) learns single-digit sums (examples/data/arithmetic.jsonl)
 through LoRA adapters on every projection; its frozen Linear weights are stored as INT4 codes and sharded by the
 engine. Held-out exact match is the signal: one row in five is held out, its sum seen only under other wordings.
+`--model PATH` loads a local checkpoint (a causal LM with Llama's projections) and its tokenizer instead.
 Written against `ds_plugin.accelerate.Accelerator`: the DeepSpeed config comes from `--ds-config` when launched
 through `-m ds_plugin.accelerate`, else from `--config`. At the end the adapter is saved with
 `ds_plugin.save_adapter`, reloaded onto a fresh base stored the same way, and must give the trained logits.
@@ -18,16 +19,26 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
+
+# The helpers the recipes share sit in examples/; running this file puts only examples/accelerate/ on sys.path.
+# Appended, not first: examples/accelerate/ must not shadow the accelerate package.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+# ruff: noqa: E402
+from _recipe_common import check_model_arg, check_model_build, load_tokenizer, pad, pyplot, save_figure, until
+
+check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
 
 import torch
 from accelerate.utils import gather_object, set_seed
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ds_plugin
 from ds_plugin.accelerate import CONFIG_ENV, Accelerator, ZeroPlugin
@@ -37,8 +48,7 @@ from ds_plugin.adapters import full_state_dict
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
 DATA = Path(__file__).resolve().parents[1] / "data" / "arithmetic.jsonl"
-PAD, BOS, EOS = 0, 1, 2  # byte ids that never occur in the text
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def load(split: str) -> list[dict]:
@@ -48,63 +58,60 @@ def load(split: str) -> list[dict]:
 class Examples(Dataset):
     """Training rows drawn with replacement; loss only on the answer (the prompt's labels are -100)."""
 
-    def __init__(self, rows: list[dict], length: int, seed: int = 0) -> None:
+    def __init__(self, rows: list[dict], length: int, tok, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.rows = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()]
+        self.rows, self.tok = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()], tok
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        prompt, answer = [BOS, *self.rows[i]["prompt"].encode()], [*self.rows[i]["answer"].encode(), EOS]
-        return prompt + answer, [-100] * len(prompt) + answer
+        tok, row = self.tok, self.rows[i]  # BOS prompt, answer EOS
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], add_special_tokens=False)
+        return prompt + answer + [tok.eos_token_id], [-100] * len(prompt) + answer + [tok.eos_token_id]
 
 
-def pad_right(batch: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-    width = max(len(ids) for ids, _ in batch)
-    ids = torch.tensor([ids + [PAD] * (width - len(ids)) for ids, _ in batch])
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
-    return {"input_ids": ids, "attention_mask": (ids != PAD).long(), "labels": labels}
+def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    ids, mask = pad([ids for ids, _ in batch], pad_id)
+    return {"input_ids": ids, "attention_mask": mask, "labels": pad([labels for _, labels in batch], -100)[0]}
 
 
-def build_model(lora_rank: int) -> torch.nn.Module:
-    """The same random base on every call (fixed seed), with LoRA on every projection (none for lora_rank=0)."""
+def build_model(lora_rank: int, model_path: str | None = None) -> torch.nn.Module:
+    """The same random base on every call (fixed seed), or --model's checkpoint, with LoRA on every projection
+    (none for lora_rank=0)."""
     torch.manual_seed(0)
-    # initializer_range 0.05: with 0.02 the frozen random head caps every logit near 2.5 nats.
-    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         initializer_range=0.05, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
-    base = LlamaForCausalLM(config)
+    if model_path:
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+    else:
+        # initializer_range 0.05: with 0.02 the frozen random head caps every logit near 2.5 nats.
+        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        base = LlamaForCausalLM(config)
     if lora_rank == 0:
         return base
     return get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS))
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, prompts: list[str], device, new_tokens: int = 3) -> list[str]:
+def greedy(model: torch.nn.Module, tok, prompts: list[str], device, new_tokens: int = 3) -> list[str]:
     """Greedy answers, left-padded so every row's last token is its own; a fixed number of steps on every rank
     (each ZeRO-3 forward is a collective)."""
-    rows = [[BOS, *p.encode()] for p in prompts]
-    width = max(map(len, rows))
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows], device=device)
-    mask = (ids != PAD).long()
+    ids, mask = pad([tok.encode(p) for p in prompts], tok.pad_token_id, device, left=True)
+    width = ids.shape[1]
     for _ in range(new_tokens):
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1]
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    out = []
-    for row in ids[:, width:].tolist():
-        row = row[: row.index(EOS)] if EOS in row else row
-        out.append(bytes(t for t in row if t > 2).decode(errors="replace"))
-    return out
+    return [tok.decode(until(row, tok.eos_token_id), skip_special_tokens=True) for row in ids[:, width:].tolist()]
 
 
-def exact_match(accelerator: Accelerator, model, held_out: list[dict]) -> tuple[float, list[str]]:
+def exact_match(accelerator: Accelerator, model, tok, held_out: list[dict]) -> tuple[float, list[str]]:
     """Each process answers its share of the held-out rows; the answers are gathered in order."""
     rank, world = accelerator.process_index, accelerator.num_processes
     model.eval()
-    mine = greedy(model, [r["prompt"] for r in held_out[rank::world]], accelerator.device)
+    mine = greedy(model, tok, [r["prompt"] for r in held_out[rank::world]], accelerator.device)
     model.train()
     shares = gather_object([mine])  # one list per process
     answers = [shares[i % world][i // world] for i in range(len(held_out))]
@@ -112,19 +119,14 @@ def exact_match(accelerator: Accelerator, model, held_out: list[dict]) -> tuple[
 
 
 def plot(losses: list[float], history: list[tuple[int, float]], path: Path) -> None:
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
-
+    if (plt := pyplot()) is None:
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(losses, lw=0.8)
     left.set(xlabel="step", ylabel="answer loss (mean over processes)", yscale="log", title="LoRA SFT with Accelerate")
     right.plot(*zip(*history, strict=True), marker="o")
     right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"loss curve: {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -137,11 +139,15 @@ def main() -> None:
     parser.add_argument("--frozen-format", default="int4", choices=["int8", "int4", "nf4"])
     parser.add_argument("--config", default="zeropp", help=f"DeepSpeed config or preset, unless {CONFIG_ENV} is set")
     parser.add_argument("--mixed-precision", default=None, choices=["no", "bf16"], help="default: bf16 on GPUs")
+    parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: a tiny random Llama)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/accelerate_lora_sft"))
     parser.add_argument("--smoke", action="store_true", help="a short run that asserts exact match went up")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.evals = 120, 1
+    params = check_model_build(args.model, TARGETS)  # the rest of the --model check, now that torch is imported
+    base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
+    tok = load_tokenizer(args.model)  # bytes by default
     start = time.perf_counter()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # two processes share two cores
 
@@ -151,11 +157,11 @@ def main() -> None:
     accelerator = Accelerator(zero_plugin=plugin, mixed_precision=precision, cpu=not torch.cuda.is_available())
     set_seed(0)
     held_out = load("test")
-    model = build_model(args.lora_rank)
+    model = build_model(args.lora_rank, args.model)
     # Stored INT4 before prepare, whatever the config says; the engine shards the codes under ZeRO-3.
     ds_plugin.quantize_frozen_(model, args.frozen_format)
-    train = Examples(load("train"), length=args.steps * args.micro_batch * accelerator.num_processes)
-    train_dl = DataLoader(train, batch_size=args.micro_batch, collate_fn=pad_right)
+    train = Examples(load("train"), args.steps * args.micro_batch * accelerator.num_processes, tok)
+    train_dl = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     # Accelerate steps a prepared scheduler once per process per optimizer step: count in those units.
     total, warm = args.steps * accelerator.num_processes, max(1, args.steps // 15) * accelerator.num_processes
@@ -163,7 +169,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curve)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
 
-    history, losses = [(0, exact_match(accelerator, model, held_out)[0])], []
+    history, losses = [(0, exact_match(accelerator, model, tok, held_out)[0])], []
     answers: list[str] = []
     bar = tqdm(train_dl, desc="LoRA SFT", disable=not accelerator.is_main_process)
     for step, batch in enumerate(bar, start=1):
@@ -176,7 +182,7 @@ def main() -> None:
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % max(1, args.steps // args.evals) == 0 or step == args.steps:
-            em, answers = exact_match(accelerator, model, held_out)
+            em, answers = exact_match(accelerator, model, tok, held_out)
             history.append((step, em))
             bar.write(f"step {step:4d}  held-out exact match {em:.2f}")
 
@@ -184,20 +190,20 @@ def main() -> None:
     adapter = full_state_dict(accelerator.engine, trainable_only=True)
     path = ds_plugin.save_adapter(accelerator.engine, args.out_dir / "adapter")
     if accelerator.is_main_process:
-        reloaded = PeftModel.from_pretrained(build_model(0), path).eval()
-        trained = build_model(args.lora_rank).eval()
+        reloaded = PeftModel.from_pretrained(build_model(0, args.model), path).eval()
+        trained = build_model(args.lora_rank, args.model).eval()
         trained.load_state_dict(adapter, strict=False)
         for m in (reloaded, trained):
             ds_plugin.quantize_frozen_(m, args.frozen_format)
-        ids = torch.tensor(
-            [[BOS, *r["prompt"].encode()] for r in held_out if len(r["prompt"]) == len(held_out[0]["prompt"])]
-        )
+        rows = [tok.encode(r["prompt"]) for r in held_out]
+        ids = torch.tensor([r for r in rows if len(r) == len(rows[0])])  # one length: no padding
         with torch.no_grad():
             diff = (reloaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
-        again = greedy(reloaded, [r["prompt"] for r in held_out], "cpu")
+        again = greedy(reloaded, tok, [r["prompt"] for r in held_out], "cpu")
         agree = sum(a == b for a, b in zip(again, answers, strict=True)) / len(answers)
         before, after = history[0][1], history[-1][1]
-        print(f"\n{describe_plan(accelerator.engine.plan)}; {args.frozen_format} frozen base, LoRA r={args.lora_rank}")
+        plan = describe_plan(accelerator.engine.plan)
+        print(f"\n{plan}; {args.frozen_format} frozen base ({base}); LoRA r={args.lora_rank}")
         print(f"answer loss {sum(losses[:10]) / 10:.3f} -> {sum(losses[-10:]) / 10:.3f} in {args.steps} steps")
         print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums)")
         print(f"adapter saved to {path}; reloaded onto a fresh {args.frozen_format} base: logits within {diff:.1e} of "

@@ -4,7 +4,7 @@ The recipes run in their `--smoke` mode, which asserts the direction of the lear
 JSON line `{"recipe", "metric", "before", "after", "seconds"}`; each test checks the exit code, that line, and what
 the recipe leaves on disk (adapters that reload, the loss-curve PNG). Every run writes into a temporary directory,
 never into the checkout. The whole file took 2 min 49 s on an otherwise idle 2-core machine (3 min 50 s while it was
-shared with other jobs).
+shared with other jobs). The `--model PATH` tests at the end add ~1 s for the errors and ~30-40 s for one real run.
 """
 
 from __future__ import annotations
@@ -34,11 +34,16 @@ _LAUNCH_VARS = {"LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RA
                 "DS_PLUGIN_CONFIG"}  # fmt: skip
 
 
-def run(cmd: list[str], cwd: Path, timeout: float) -> str:
-    """Run `cmd` in its own process group (killed whole at the timeout); returns stdout+stderr, exit code 0 or fail."""
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, timeout: float) -> str:
+    """Run `cmd` in its own process group (killed whole at the timeout); returns stdout+stderr, exit code 0 or fail."""
+    env = _env()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -132,3 +137,76 @@ def test_rlhf(tmp_path):
     for name in ("sft_adapter", "reward_model", "dpo_adapter"):
         assert (tmp_path / name).is_dir(), name
     assert (tmp_path / "rlhf.png").is_file() or not HAS_MATPLOTLIB
+
+
+# --model PATH: every recipe checks the path and config.json's architecture before it imports torch, let alone
+# starts a process group, so these run the script directly (a fraction of a second each) and want one line on
+# stderr, exit code 2. What only transformers can tell (LoRA's target modules, a reward-model class) is checked
+# after the imports, still before any process group: tried by hand, not here (each run would import torch).
+RECIPES = ["lora_sft.py", "accelerate/lora_sft.py", "chatglm_ptuning.py", "rlhf.py"]
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> Path:
+    """A directory holding only a tiny BERT config.json: not a causal LM."""
+    from transformers import BertConfig
+
+    path = tmp_path_factory.mktemp("bert")
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37).save_pretrained(path)
+    return path
+
+
+def fails_with_one_line(cmd: list[str], cwd: Path) -> str:
+    """Run `cmd`; it must exit 2 with nothing on stdout and one line on stderr, which is returned."""
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and not proc.stdout, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stderr.endswith("\n") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    return proc.stderr.strip()
+
+
+@pytest.mark.parametrize("script", RECIPES)
+def test_model_arg_errors(script, tmp_path, bert_dir):
+    cmd = [sys.executable, str(EXAMPLES / script), "--smoke", "--model"]
+    name = Path(script).name
+    missing = fails_with_one_line([*cmd, str(tmp_path / "nonexistent")], tmp_path)
+    assert missing.startswith(f"{name}: error: --model {tmp_path / 'nonexistent'}: no such directory"), missing
+    assert "expected a local transformers checkpoint: a directory with config.json" in missing, missing
+    bert = fails_with_one_line([*cmd, str(bert_dir)], tmp_path)
+    assert bert.startswith(f"{name}: error: --model {bert_dir}: unsupported architecture"), bert
+    assert "model_type 'bert'" in bert and "this recipe supports" in bert, bert
+    if script == "chatglm_ptuning.py":  # a causal LM, but not a GLM
+        (tmp_path / "llama").mkdir()
+        (tmp_path / "llama/config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        llama = fails_with_one_line([*cmd, str(tmp_path / "llama")], tmp_path)
+        assert "unsupported architecture LlamaForCausalLM" in llama and "GlmForCausalLM or Glm4ForCausalLM" in llama
+
+
+def tiny_checkpoint(path: Path) -> int:
+    """A random tiny Llama saved with a tokenizer built here (byte-level, every byte one token, no merges, no pad
+    token: the recipe pads with EOS); nothing is downloaded. Returns the parameter count."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_lora_sft_local_model(tmp_path):
+    # The cheapest real --model run: 4 steps on 2 ranks with a random tiny Llama (no learning signal expected).
+    params = tiny_checkpoint(tmp_path / "model")
+    cmd = [sys.executable, str(EXAMPLES / "lora_sft.py"), "--model", str(tmp_path / "model"), "--steps", "4",
+           "--evals", "1", "--micro-batch", "4", "--out-dir", str(tmp_path / "out")]  # fmt: skip
+    out = run(cmd, tmp_path, timeout=180)
+    summary(out, "lora_sft")
+    assert f"int4 frozen base ({tmp_path / 'model'}, {params:,} parameters)" in out, out[-2000:]
+    assert "logits within 0.0e+00 of the trained weights'" in out, out[-2000:]  # the saved adapter reloaded
+    adapter = json.loads((tmp_path / "out/adapter/adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(tmp_path / "model"), adapter

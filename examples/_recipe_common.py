@@ -1,0 +1,156 @@
+"""What the recipes share: the checks of `--model PATH`, the byte tokenizer they default to, padding, plotting.
+
+The recipes next to this file import it as `_recipe_common` (`python examples/x.py`, torchrun and Lightning's
+relaunch put the script's directory first on sys.path; examples/accelerate/ adds its parent). Only the standard
+library is imported here at import time: a recipe checks `--model` before it imports torch, so a wrong path fails at
+once. A wrong `--model` gets one line on stderr and exit code 2, as argparse reports a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+EXPECTED = "expected a local transformers checkpoint: a directory with config.json, the weights and the tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class ByteTokenizer:
+    """Bytes as token ids, with three ids the text never uses; the default, in place of a checkpoint's tokenizer."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([self.bos_token_id] if add_special_tokens else []) + list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return bytes(i for i in ids if i > 2 or not skip_special_tokens).decode(errors="replace")
+
+
+def fail(path: str, problem: str) -> NoReturn:
+    """One line on stderr naming the path and the problem; exit code 2 (argparse's, for a bad argument)."""
+    sys.stderr.write(f"{Path(sys.argv[0]).name}: error: --model {path}: {problem}\n")
+    raise SystemExit(2)
+
+
+def check_model_arg(architectures: tuple[str, ...] = ()) -> str | None:
+    """Check `--model` in sys.argv from the checkpoint's files alone (nothing heavy imported, nothing loaded): a
+    directory with config.json naming a causal LM (`...ForCausalLM`; with `architectures`, one of those), weights
+    and tokenizer files. Returns the path (None without `--model`); exits with one line on the first problem."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--model")
+    try:
+        path = parser.parse_known_args()[0].model
+    except argparse.ArgumentError:
+        return None  # `--model` without a value: the recipe's own parser says so
+    if path is None:
+        return None
+    where = Path(path)
+    if not where.exists():
+        fail(path, f"no such directory ({EXPECTED})")
+    if not where.is_dir():
+        fail(path, f"not a directory ({EXPECTED})")
+    if not (where / "config.json").is_file():
+        fail(path, f"no config.json in it ({EXPECTED})")
+    try:
+        config = json.loads((where / "config.json").read_text())
+        found = list(config.get("architectures") or [])
+    except (OSError, ValueError, AttributeError) as e:
+        fail(path, f"config.json is not a transformers config ({type(e).__name__}: {e})")
+    supported = any(a in architectures if architectures else a.endswith("ForCausalLM") for a in found)
+    if not supported:
+        needs = " or ".join(architectures) or "a causal LM (a ...ForCausalLM class in config.json's architectures)"
+        fail(path, f"unsupported architecture {describe(found, config)}; this recipe supports {needs}")
+    if not any(where.glob("*.safetensors")) and not any(where.glob("*.bin")):
+        fail(path, f"no weights (*.safetensors or *.bin) next to config.json ({EXPECTED})")
+    if not any((where / name).is_file() for name in TOKENIZER_FILES):
+        fail(path, f"no tokenizer ({', '.join(TOKENIZER_FILES)}) next to config.json ({EXPECTED})")
+    return path
+
+
+def first_line(error: Exception) -> str:
+    return next(iter(str(error).splitlines()), type(error).__name__)
+
+
+def describe(architectures: list[str], config: dict) -> str:
+    if architectures:
+        return f"{', '.join(architectures)} (model_type {config.get('model_type')!r})"
+    return f"of model_type {config.get('model_type')!r} (config.json names no architecture)"
+
+
+def check_model_build(path: str | None, lora_targets: tuple[str, ...] = (), reward_model: bool = False) -> int:
+    """What the files cannot tell, once the recipe has imported torch: transformers builds the causal LM (on the
+    meta device: no memory, no weights read), it has every module LoRA targets, and (`reward_model`) transformers
+    has a sequence-classification class for it. Returns the parameter count (0 without `--model`); one line and
+    exit 2 otherwise."""
+    if not path:
+        return 0
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    found = describe(config.get("architectures") or [], config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    except Exception as e:  # an unknown model_type, a class this transformers lacks, remote code (never run)
+        fail(path, f"unsupported architecture {found}: transformers cannot build it ({first_line(e)})")
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if missing := [t for t in lora_targets if t not in names]:
+        targets = ", ".join(lora_targets)  # Llama's projections; Mistral, Qwen2 and Gemma have them too
+        fail(
+            path,
+            f"unsupported architecture {found}: no {', '.join(missing)} modules; this recipe puts LoRA on {targets}",
+        )
+    if reward_model and config.get("model_type") not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        fail(path, f"unsupported architecture {found}: the reward model needs a sequence-classification class for it")
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_tokenizer(path: str | None):
+    """The byte tokenizer, or `--model`'s own (offline), padding with EOS where it has no pad token."""
+    if not path:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.eos_token_id is None:
+        fail(path, "its tokenizer has no EOS token, which ends every answer the recipe trains on")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # the recipes build attention masks from lengths, so padding may reuse EOS
+    return tok
+
+
+def pad(rows: list[list[int]], pad_id: int, device=None, left: bool = False) -> tuple:
+    """Token rows padded to one width (`left`: on the left, so that every row's last token is its own), and the
+    attention mask, built from the lengths: a tokenizer may pad with EOS, which is also a real token."""
+    import torch
+
+    fill = [max(map(len, rows)) - len(r) for r in rows]
+    ids = [[pad_id] * n + r if left else r + [pad_id] * n for r, n in zip(rows, fill, strict=True)]
+    mask = [[0] * n + [1] * len(r) if left else [1] * len(r) + [0] * n for r, n in zip(rows, fill, strict=True)]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
+def until(ids: list[int], *stops: int) -> list[int]:
+    """The ids before the first of `stops` (all of them if none occurs)."""
+    return ids[: min((ids.index(s) for s in stops if s in ids), default=len(ids))]
+
+
+def pyplot():
+    """matplotlib.pyplot, or None (with a note) when matplotlib is not installed."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("no matplotlib (pip install matplotlib, or the bench extra): no loss-curve PNG")
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"loss curve: {path}")
