@@ -19,11 +19,11 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
-from ds_plugin.zero.checkpoint import (
+from ds_plugin.zero.checkpoint import (  # and its no-op-without-torch.distributed collective helpers
     MARKER,
     CheckpointError,
+    _from_rank0,
+    _rank,
     load_checkpoint,
     model_metadata,
     read_checkpoint_info,
@@ -40,20 +40,8 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 
 
-def _on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _rank0() -> bool:
-    return not _on() or dist.get_rank() == 0
-
-
-def _broadcast(obj: Any) -> Any:
-    if not _on():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return _rank() == 0
 
 
 def _check_tag(tag: str) -> str:
@@ -162,7 +150,7 @@ def save_engine_dir(
                 _write_latest(root, tag)
             except OSError as e:
                 err = f"saved {path} but could not update {root / LATEST}: {e}"
-        err = _broadcast(err)
+        err = _from_rank0(err)
         if err:
             raise CheckpointError(err)
     return path
@@ -180,7 +168,7 @@ def load_engine_dir(
     root = Path(load_dir)
     if tag is None:
         found = latest_checkpoint(root) if _rank0() else None
-        path = _broadcast(None if found is None else str(found))
+        path = _from_rank0(None if found is None else str(found))
         if path is None:
             if _rank0():
                 logger.warning("no complete checkpoint in %s; nothing loaded", root)
