@@ -71,12 +71,14 @@ def summary(out: str, recipe: str) -> dict:
     return result
 
 
+@pytest.mark.long
 def test_quickstart(tmp_path):
     out = run([*TORCHRUN, str(EXAMPLES / "quickstart.py"), "--steps", "40"], tmp_path, timeout=180)
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 40 steps on 2 ranks", out).groups())
     assert last < first - 1.0, out[-2000:]
 
 
+@pytest.mark.long
 def test_lightning_zeropp(tmp_path):
     out = run([sys.executable, str(EXAMPLES / "lightning_zeropp.py"), "--max-steps", "20"], tmp_path, timeout=180)
     loss = float(re.search(r"loss ([\d.]+) after 20 steps", out).group(1))
@@ -84,6 +86,7 @@ def test_lightning_zeropp(tmp_path):
     assert (tmp_path / "runs/lightning_zeropp/checkpoints/last.ckpt").is_dir()  # a sharded checkpoint
 
 
+@pytest.mark.long
 def test_lora_sft(tmp_path):
     out = run([sys.executable, str(EXAMPLES / "lora_sft.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path, 180)
     result = summary(out, "lora_sft")
@@ -94,6 +97,7 @@ def test_lora_sft(tmp_path):
     assert (tmp_path / "lora_sft.png").is_file() or not HAS_MATPLOTLIB
 
 
+@pytest.mark.long
 def test_accelerate_lora_sft(tmp_path):
     # The README's command: Accelerate's launcher, ds_plugin's bootstrap, the zeropp preset as the DeepSpeed config.
     cmd = [ACCELERATE, "launch", "--config_file", str(EXAMPLES / "accelerate/cpu_2proc.yaml"),
@@ -107,6 +111,7 @@ def test_accelerate_lora_sft(tmp_path):
     assert (tmp_path / "accelerate_lora_sft.png").is_file() or not HAS_MATPLOTLIB
 
 
+@pytest.mark.long
 def test_chatglm_ptuning(tmp_path):
     # bf16 (the GPU default; ~8x slower than fp32 on a CPU without bf16 units, hence 12 steps) with the prefix
     # projection: the saved prefix is then what the MLP computes, and must still reload exactly.
@@ -125,6 +130,7 @@ def test_chatglm_ptuning(tmp_path):
     assert (tmp_path / "chatglm_ptuning.png").is_file() or not HAS_MATPLOTLIB
 
 
+@pytest.mark.long
 def test_rlhf(tmp_path):
     out = run([*TORCHRUN, str(EXAMPLES / "rlhf.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path, timeout=180)
     result = summary(out, "rlhf")
@@ -199,6 +205,7 @@ def tiny_checkpoint(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.long
 def test_lora_sft_local_model(tmp_path):
     # The cheapest real --model run: 4 steps on 2 ranks with a random tiny Llama (no learning signal expected).
     params = tiny_checkpoint(tmp_path / "model")

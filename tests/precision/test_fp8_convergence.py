@@ -93,6 +93,7 @@ def _train(recipe: str | None, stream: torch.Tensor) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 # ~50 s on two idle cores; a generous limit so a loaded machine slows the test instead of failing it.
 @pytest.mark.timeout(1800)
 def test_fp8_loss_tracks_bf16() -> None:

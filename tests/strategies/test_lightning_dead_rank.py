@@ -11,7 +11,7 @@ from _launch import run_script
 
 from ds_plugin.zero.checkpoint import read_checkpoint_info
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def test_four_ranks_one_killed_mid_step_ends_the_fit_with_rank_failure_error(tmp_path):

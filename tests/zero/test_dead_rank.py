@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long
+
 SCRIPT = Path(__file__).parent / "scripts" / "dead_rank.py"
 REPO = Path(__file__).parents[2]
 
@@ -40,21 +42,27 @@ def _start(world: int, mode: str, tmp: Path, timeout_s: float, *extra: str) -> l
     ]
 
 
-def _finish(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int | None, str]]:
-    out = []
+def _finish(procs: list[subprocess.Popen], deadline: float, frozen: int | None = None) -> list[tuple[int | None, str]]:
+    """Each rank's (exit code, output); None for one still running at the deadline. The `frozen` rank is not
+    waited for: it is killed once the others have ended (or the deadline passed)."""
+    out: dict[int, tuple[int | None, str]] = {}
     try:
-        for p in procs:
+        for rank, p in enumerate(procs):
+            if rank == frozen:
+                continue
             try:
                 text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 text = "(still running at the deadline)"
-            out.append((p.returncode, text))
+            out[rank] = (p.returncode, text)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()  # works on a SIGSTOPped process too
                 p.wait(10)
-    return out
+    if frozen is not None:
+        out[frozen] = (procs[frozen].returncode, procs[frozen].communicate()[0])
+    return [out[rank] for rank in range(len(procs))]
 
 
 def _last_line(text: str) -> str:
@@ -73,7 +81,7 @@ def test_dead_rank_ends_the_job_and_a_restart_resumes_bit_identically(tmp_path, 
     procs = _start(world, "train", tmp_path, timeout_s, "--die", die, "--die-at", "5")
     # SIGKILL: the survivors' sockets to rank 1 break at once, far within the (10-minute) timeout.
     # SIGSTOP: rank 1's sockets stay open, so only the 20 s collective timeout can end the wait.
-    results = _finish(procs, start + (150 if die == "kill" else 150 + timeout_s))
+    results = _finish(procs, start + 150 + timeout_s, frozen=1 if die == "stop" else None)
     elapsed = time.monotonic() - start
     code1, _ = results[1]
     if die == "kill":

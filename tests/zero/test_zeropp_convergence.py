@@ -13,7 +13,7 @@ import torch
 
 from ds_plugin.launch import run_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 CORPUS = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_corpus.txt"
 STEPS, SEQ, PER_RANK = 200, 32, 8
