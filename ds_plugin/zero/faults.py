@@ -29,11 +29,13 @@ __all__ = ["DEFAULT_TIMEOUT", "RankFailureError", "default_timeout", "init_distr
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 TIMEOUT_ENV = "DS_PLUGIN_TIMEOUT"
 
-# What a collective raises when a peer is gone: gloo's transport errors (a plain RuntimeError whose text names its
-# source file), NCCL's (DistBackendError, a RuntimeError), and store/socket failures during a rendezvous.
+# What a collective raises when a peer is gone: gloo's transport errors (a plain RuntimeError), NCCL's through
+# DistBackendError (a RuntimeError) with the watchdog's timeout or a lost remote process, store/socket failures.
+# Narrow on purpose: a size mismatch or an invalid argument reported by the same backends is a bug, and must keep
+# its own message and traceback.
 _PEER_FAILURE = re.compile(
-    r"/gloo/|gloo/transport|Connection (reset|closed) by peer|Timed out waiting|Broken pipe|NCCL|"
-    r"collective operation timeout|Socket Timeout|ProcessGroup.*(abort|timeout)",
+    r"Connection (reset|closed) by peer|Timed out waiting|Broken pipe|(Read|Write) error \[|Socket Timeout|"
+    r"collective operation timeout|communicator was aborted|remote process exited|network error",
     re.IGNORECASE,
 )
 
@@ -95,8 +97,8 @@ def is_peer_failure(exc: BaseException) -> bool:
     """Whether `exc` is a collective failing because of another rank (not a bug or a bad input on this one)."""
     if isinstance(exc, RankFailureError):
         return False  # already translated
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
+    lost = tuple(getattr(dist, name) for name in ("DistNetworkError", "DistStoreError") if hasattr(dist, name))
+    if lost and isinstance(exc, lost):
         return True
     return isinstance(exc, RuntimeError) and bool(_PEER_FAILURE.search(str(exc)))
 

@@ -39,6 +39,8 @@ def test_peer_failures_are_told_apart_from_bugs():
     assert is_peer_failure(RuntimeError(GLOO_RESET))
     assert is_peer_failure(RuntimeError(GLOO_TIMEOUT))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+    # The same backend reporting a bug on this side (ranks disagreeing on a size) keeps its own error.
+    assert not is_peer_failure(RuntimeError("[../third_party/gloo/gloo/allreduce.cc:71] Mismatch in sizes: 16 != 8"))
     assert not is_peer_failure(ValueError("Connection reset by peer"))  # not what a collective raises
     assert not is_peer_failure(RankFailureError("already translated"))
 
