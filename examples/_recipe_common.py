@@ -154,3 +154,30 @@ def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"loss curve: {path}")
+
+
+# The LoRA SFT recipes' model (examples/lora_sft.py and its Accelerate twin), kept in one place so the two train
+# the same network.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_sft_model(lora_rank: int, model_path: str | None = None):
+    """The same random tiny Llama on every call (fixed seed), or --model's checkpoint, with LoRA on every projection
+    (none for lora_rank=0)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if model_path:
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+    else:
+        # initializer_range 0.05, not 0.02: the head and final norm stay frozen, and a random head that small caps
+        # every logit near 2.5, so the loss could not fall below ~2.5 nats however right the answers are.
+        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        base = LlamaForCausalLM(config)
+    if lora_rank == 0:
+        return base
+    return get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=LORA_TARGETS))

@@ -24,7 +24,17 @@ import warnings
 from functools import partial
 from pathlib import Path
 
-from _recipe_common import check_model_arg, check_model_build, load_tokenizer, pad, pyplot, save_figure, until
+from _recipe_common import (
+    LORA_TARGETS,
+    check_model_arg,
+    check_model_build,
+    load_tokenizer,
+    lora_sft_model,
+    pad,
+    pyplot,
+    save_figure,
+    until,
+)
 
 check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
 # ruff: noqa: E402
@@ -41,7 +51,6 @@ from ds_plugin.strategies import ZeroStrategy
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
 DATA = Path(__file__).parent / "data" / "arithmetic.jsonl"
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def load(split: str) -> list[dict]:
@@ -70,26 +79,6 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
     return *pad([ids for ids, _ in batch], pad_id), pad([labels for _, labels in batch], -100)[0]
 
 
-def build_model(lora_rank: int, model_path: str | None = None) -> torch.nn.Module:
-    """The same random base on every call (fixed seed), or --model's checkpoint, with LoRA on every projection."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if model_path:
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
-    else:
-        # initializer_range 0.05, not 0.02: the head and final norm stay frozen, and a random head that small caps
-        # every logit near 2.5, so the loss could not fall below ~2.5 nats however right the answers are.
-        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-        base = LlamaForCausalLM(config)
-    if lora_rank == 0:
-        return base
-    return get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS))
-
-
 @torch.no_grad()
 def greedy(model: torch.nn.Module, tok, prompts: list[str], new_tokens: int = 3) -> list[str]:
     """Greedy answers for a batch of prompts, left-padded so every row's last token is its own."""
@@ -107,7 +96,7 @@ def greedy(model: torch.nn.Module, tok, prompts: list[str], new_tokens: int = 3)
 class LoRASFT(pl.LightningModule):
     def __init__(self, lora_rank: int, lr: float, steps: int, held_out: list[dict], tok, model_path: str | None):
         super().__init__()
-        self.model = build_model(lora_rank, model_path)
+        self.model = lora_sft_model(lora_rank, model_path)
         self.lr, self.steps, self.held_out, self.tok = lr, steps, held_out, tok
         self.losses: list[torch.Tensor] = []
         self.history: list[tuple[int, float]] = []  # (step, held-out exact match)
@@ -153,8 +142,8 @@ def check_reload(path: Path, adapter: dict, args, tok, prompts: list[str]) -> tu
     largest logit difference and the reloaded model's answers."""
     from peft import PeftModel
 
-    reloaded = PeftModel.from_pretrained(build_model(0, args.model), path).eval()
-    trained = build_model(next(v.shape[0] for k, v in adapter.items() if "lora_A" in k), args.model).eval()
+    reloaded = PeftModel.from_pretrained(lora_sft_model(0, args.model), path).eval()
+    trained = lora_sft_model(next(v.shape[0] for k, v in adapter.items() if "lora_A" in k), args.model).eval()
     missing = trained.load_state_dict(adapter, strict=False).missing_keys
     assert not any("lora_" in k for k in missing), "the gathered adapter does not fit the model"
     for model in (reloaded, trained):
@@ -194,7 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.evals = 120, 1
-    params = check_model_build(args.model, TARGETS)  # the rest of the --model check, now that torch is imported
+    params = check_model_build(args.model, LORA_TARGETS)  # the rest of the --model check, now that torch is imported
     base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
     tok = load_tokenizer(args.model)  # bytes by default
     start = time.perf_counter()

@@ -29,16 +29,25 @@ from pathlib import Path
 # Appended, not first: examples/accelerate/ must not shadow the accelerate package.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 # ruff: noqa: E402
-from _recipe_common import check_model_arg, check_model_build, load_tokenizer, pad, pyplot, save_figure, until
+from _recipe_common import (
+    LORA_TARGETS,
+    check_model_arg,
+    check_model_build,
+    load_tokenizer,
+    lora_sft_model,
+    pad,
+    pyplot,
+    save_figure,
+    until,
+)
 
 check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
 
 import torch
 from accelerate.utils import gather_object, set_seed
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ds_plugin
 from ds_plugin.accelerate import CONFIG_ENV, Accelerator, ZeroPlugin
@@ -48,7 +57,6 @@ from ds_plugin.adapters import full_state_dict
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
 DATA = Path(__file__).resolve().parents[1] / "data" / "arithmetic.jsonl"
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def load(split: str) -> list[dict]:
@@ -74,23 +82,6 @@ class Examples(Dataset):
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     ids, mask = pad([ids for ids, _ in batch], pad_id)
     return {"input_ids": ids, "attention_mask": mask, "labels": pad([labels for _, labels in batch], -100)[0]}
-
-
-def build_model(lora_rank: int, model_path: str | None = None) -> torch.nn.Module:
-    """The same random base on every call (fixed seed), or --model's checkpoint, with LoRA on every projection
-    (none for lora_rank=0)."""
-    torch.manual_seed(0)
-    if model_path:
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
-    else:
-        # initializer_range 0.05: with 0.02 the frozen random head caps every logit near 2.5 nats.
-        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-        base = LlamaForCausalLM(config)
-    if lora_rank == 0:
-        return base
-    return get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS))
 
 
 @torch.no_grad()
@@ -145,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.evals = 120, 1
-    params = check_model_build(args.model, TARGETS)  # the rest of the --model check, now that torch is imported
+    params = check_model_build(args.model, LORA_TARGETS)  # the rest of the --model check, now that torch is imported
     base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
     tok = load_tokenizer(args.model)  # bytes by default
     start = time.perf_counter()
@@ -157,7 +148,7 @@ def main() -> None:
     accelerator = Accelerator(zero_plugin=plugin, mixed_precision=precision, cpu=not torch.cuda.is_available())
     set_seed(0)
     held_out = load("test")
-    model = build_model(args.lora_rank, args.model)
+    model = lora_sft_model(args.lora_rank, args.model)
     # Stored INT4 before prepare, whatever the config says; the engine shards the codes under ZeRO-3.
     ds_plugin.quantize_frozen_(model, args.frozen_format)
     train = Examples(load("train"), args.steps * args.micro_batch * accelerator.num_processes, tok)
@@ -190,8 +181,8 @@ def main() -> None:
     adapter = full_state_dict(accelerator.engine, trainable_only=True)
     path = ds_plugin.save_adapter(accelerator.engine, args.out_dir / "adapter")
     if accelerator.is_main_process:
-        reloaded = PeftModel.from_pretrained(build_model(0, args.model), path).eval()
-        trained = build_model(args.lora_rank, args.model).eval()
+        reloaded = PeftModel.from_pretrained(lora_sft_model(0, args.model), path).eval()
+        trained = lora_sft_model(args.lora_rank, args.model).eval()
         trained.load_state_dict(adapter, strict=False)
         for m in (reloaded, trained):
             ds_plugin.quantize_frozen_(m, args.frozen_format)
