@@ -6,15 +6,9 @@ import io
 import json
 import math
 import random
-import socket
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -225,61 +219,31 @@ def test_found_overflow_single_process() -> None:
     assert found_overflow([torch.empty(0)]) is False
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_rank_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _two_rank_worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
 
-        mesh = init_device_mesh("cpu", (world_size,))
-        local = torch.ones(4, 3)
-        if rank == 1:
-            local[2, 1] = math.inf
-        grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-        plain = torch.zeros(5)
-        scaler = DynamicLossScaler(initial_scale_power=8, hysteresis=1)
-        overflow = found_overflow([grad, plain, None])
-        skip = scaler.update(overflow)
-        clean = found_overflow([DTensor.from_local(torch.ones(4, 3), mesh, [Shard(0)], run_check=False)])
-        skip_clean = scaler.update(clean)
-        result = {"overflow": overflow, "skip": skip, "clean": clean, "skip_clean": skip_clean, "scale": scaler.scale}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.ones(4, 3)
+    if rank == 1:
+        local[2, 1] = math.inf
+    grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    plain = torch.zeros(5)
+    scaler = DynamicLossScaler(initial_scale_power=8, hysteresis=1)
+    overflow = found_overflow([grad, plain, None])
+    skip = scaler.update(overflow)
+    clean = found_overflow([DTensor.from_local(torch.ones(4, 3), mesh, [Shard(0)], run_check=False)])
+    skip_clean = scaler.update(clean)
+    return {"overflow": overflow, "skip": skip, "clean": clean, "skip_clean": skip_clean, "scale": scaler.scale}
 
 
-def test_found_overflow_agrees_across_two_gloo_ranks(tmp_path: Path) -> None:
-    world_size, deadline = 2, time.monotonic() + 120
-    context = mp.start_processes(
-        _two_rank_worker,
-        args=(world_size, _free_port(), str(tmp_path)),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("2-rank gloo workers did not finish within 120 s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+def test_found_overflow_agrees_across_two_gloo_ranks() -> None:
+    # The package's rank runner judges each rank by the result it handed back, so a gloo rank that aborts at
+    # interpreter exit after finishing ("terminate called without an active exception") does not fail the test.
+    from ds_plugin.launch import run_ranks
+
+    results = run_ranks(_two_rank_worker, 2, timeout=120)
     for result in results:
         # Only rank 1 held the inf, yet both ranks skip and halve the scale together.
         assert result == {"overflow": True, "skip": True, "clean": False, "skip_clean": False, "scale": 128.0}
