@@ -181,3 +181,43 @@ def lora_sft_model(lora_rank: int, model_path: str | None = None):
     if lora_rank == 0:
         return base
     return get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=LORA_TARGETS))
+
+
+# -- the LoRA SFT recipes' data and curves --------------------------------------------------------------------------
+ARITHMETIC = Path(__file__).resolve().parent / "data" / "arithmetic.jsonl"
+
+
+def arithmetic_rows(split: str) -> list[dict]:
+    """The rows of examples/data/arithmetic.jsonl in `split` ("train" or "test")."""
+    return [r for r in map(json.loads, ARITHMETIC.read_text().splitlines()) if r["split"] == split]
+
+
+class SftExamples:
+    """Training rows drawn with replacement, `length` in all; loss only on the answer (the prompt's labels are
+    -100). A map-style dataset: a DataLoader (and the samplers Lightning and Accelerate add) index it."""
+
+    def __init__(self, rows: list[dict], length: int, tok, seed: int = 0) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        self.rows, self.tok = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()], tok
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
+        tok, row = self.tok, self.rows[i]  # BOS prompt, answer EOS
+        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], add_special_tokens=False)
+        return prompt + answer + [tok.eos_token_id], [-100] * len(prompt) + answer + [tok.eos_token_id]
+
+
+def plot_sft(losses: list[float], history: list[tuple[int, float]], path: Path, loss_label: str, title: str) -> None:
+    """The answer-loss curve and held-out exact match over the steps, side by side."""
+    if (plt := pyplot()) is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(losses, lw=0.8)
+    left.set(xlabel="step", ylabel=loss_label, yscale="log", title=title)
+    right.plot(*zip(*history, strict=True), marker="o")
+    right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
+    save_figure(fig, path)

@@ -26,13 +26,14 @@ from pathlib import Path
 
 from _recipe_common import (
     LORA_TARGETS,
+    SftExamples,
+    arithmetic_rows,
     check_model_arg,
     check_model_build,
     load_tokenizer,
     lora_sft_model,
     pad,
-    pyplot,
-    save_figure,
+    plot_sft,
     until,
 )
 
@@ -43,35 +44,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import TQDMProgressBar
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import ds_plugin
 from ds_plugin.strategies import ZeroStrategy
 
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
-DATA = Path(__file__).parent / "data" / "arithmetic.jsonl"
-
-
-def load(split: str) -> list[dict]:
-    return [r for r in map(json.loads, DATA.read_text().splitlines()) if r["split"] == split]
-
-
-class Examples(Dataset):
-    """Training rows drawn with replacement, `length` in all (one epoch = the whole run; Lightning's sampler
-    gives each rank its share). Loss only on the answer: the prompt's labels are -100."""
-
-    def __init__(self, rows: list[dict], length: int, tok, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.rows, self.tok = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()], tok
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        tok, row = self.tok, self.rows[i]  # BOS prompt, answer EOS
-        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], add_special_tokens=False)
-        return prompt + answer + [tok.eos_token_id], [-100] * len(prompt) + answer + [tok.eos_token_id]
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -155,17 +134,6 @@ def check_reload(path: Path, adapter: dict, args, tok, prompts: list[str]) -> tu
     return diff, [a for i in range(0, len(prompts), 50) for a in greedy(reloaded, tok, prompts[i : i + 50])]
 
 
-def plot(losses: list[float], history: list[tuple[int, float]], path: Path) -> None:
-    if (plt := pyplot()) is None:
-        return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    left.plot(losses, lw=0.8)
-    left.set(xlabel="step", ylabel="answer loss (mean over ranks)", yscale="log", title="LoRA SFT, INT4 base, ZeRO++")
-    right.plot(*zip(*history, strict=True), marker="o")
-    right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
-    save_figure(fig, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -193,8 +161,8 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     world = int(args.devices) if args.devices else (torch.cuda.device_count() if gpu else 2)
-    held_out = load("test")
-    train = Examples(load("train"), args.steps * args.micro_batch * world, tok)
+    held_out = arithmetic_rows("test")
+    train = SftExamples(arithmetic_rows("train"), args.steps * args.micro_batch * world, tok)
     trainer = pl.Trainer(
         # The zeropp preset (ZeRO-3 + qwZ/hpZ/qgZ) with the frozen Linear weights stored in 4 bits.
         strategy=ZeroStrategy(args.strategy, zero_optimization={"frozen_format": args.frozen_format}),
@@ -245,7 +213,13 @@ def main() -> None:
             f"adapter saved to {path}; reloaded onto a fresh {args.frozen_format} base: logits within {diff:.1e} "
             f"of the trained weights', same answer as the training forward on {agree:.0%}"
         )
-        plot(losses.tolist(), module.history, args.out_dir / "lora_sft.png")
+        plot_sft(
+            losses.tolist(),
+            module.history,
+            args.out_dir / "lora_sft.png",
+            "answer loss (mean over ranks)",
+            "LoRA SFT, INT4 base, ZeRO++",
+        )
         summary = {"recipe": "lora_sft", "metric": "heldout_exact_match", "before": before, "after": after,
                    "seconds": round(seconds, 1)}  # fmt: skip
         (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": module.history}))

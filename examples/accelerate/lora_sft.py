@@ -31,13 +31,14 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 # ruff: noqa: E402
 from _recipe_common import (
     LORA_TARGETS,
+    SftExamples,
+    arithmetic_rows,
     check_model_arg,
     check_model_build,
     load_tokenizer,
     lora_sft_model,
     pad,
-    pyplot,
-    save_figure,
+    plot_sft,
     until,
 )
 
@@ -46,7 +47,7 @@ check_model_arg()  # a wrong --model fails here, with one line, before the impor
 import torch
 from accelerate.utils import gather_object, set_seed
 from peft import PeftModel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import ds_plugin
@@ -56,27 +57,6 @@ from ds_plugin.adapters import full_state_dict
 
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
-DATA = Path(__file__).resolve().parents[1] / "data" / "arithmetic.jsonl"
-
-
-def load(split: str) -> list[dict]:
-    return [r for r in map(json.loads, DATA.read_text().splitlines()) if r["split"] == split]
-
-
-class Examples(Dataset):
-    """Training rows drawn with replacement; loss only on the answer (the prompt's labels are -100)."""
-
-    def __init__(self, rows: list[dict], length: int, tok, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.rows, self.tok = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()], tok
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        tok, row = self.tok, self.rows[i]  # BOS prompt, answer EOS
-        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], add_special_tokens=False)
-        return prompt + answer + [tok.eos_token_id], [-100] * len(prompt) + answer + [tok.eos_token_id]
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -109,17 +89,6 @@ def exact_match(accelerator: Accelerator, model, tok, held_out: list[dict]) -> t
     return sum(a == r["answer"] for a, r in zip(answers, held_out, strict=True)) / len(held_out), answers
 
 
-def plot(losses: list[float], history: list[tuple[int, float]], path: Path) -> None:
-    if (plt := pyplot()) is None:
-        return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    left.plot(losses, lw=0.8)
-    left.set(xlabel="step", ylabel="answer loss (mean over processes)", yscale="log", title="LoRA SFT with Accelerate")
-    right.plot(*zip(*history, strict=True), marker="o")
-    right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
-    save_figure(fig, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -147,11 +116,11 @@ def main() -> None:
     precision = args.mixed_precision or ("bf16" if torch.cuda.is_available() else "no")
     accelerator = Accelerator(zero_plugin=plugin, mixed_precision=precision, cpu=not torch.cuda.is_available())
     set_seed(0)
-    held_out = load("test")
+    held_out = arithmetic_rows("test")
     model = lora_sft_model(args.lora_rank, args.model)
     # Stored INT4 before prepare, whatever the config says; the engine shards the codes under ZeRO-3.
     ds_plugin.quantize_frozen_(model, args.frozen_format)
-    train = Examples(load("train"), args.steps * args.micro_batch * accelerator.num_processes, tok)
+    train = SftExamples(arithmetic_rows("train"), args.steps * args.micro_batch * accelerator.num_processes, tok)
     train_dl = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     # Accelerate steps a prepared scheduler once per process per optimizer step: count in those units.
@@ -199,7 +168,13 @@ def main() -> None:
         print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums)")
         print(f"adapter saved to {path}; reloaded onto a fresh {args.frozen_format} base: logits within {diff:.1e} of "
               f"the trained weights', same answer as the training forward on {agree:.0%}")  # fmt: skip
-        plot(losses, history, args.out_dir / "accelerate_lora_sft.png")
+        plot_sft(
+            losses,
+            history,
+            args.out_dir / "accelerate_lora_sft.png",
+            "answer loss (mean over processes)",
+            "LoRA SFT with Accelerate",
+        )
         summary = {"recipe": "accelerate_lora_sft", "metric": "heldout_exact_match", "before": before,
                    "after": after, "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
         (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": history}))
