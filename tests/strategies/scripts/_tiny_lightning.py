@@ -113,7 +113,9 @@ class TinyMLP(pl.LightningModule):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return torch.nn.functional.mse_loss(self(x).float(), y)
+        # y.float(): under bf16 the Trainer casts the whole batch, targets too, and torch < 2.13's mse_loss backward
+        # refuses an fp32 input with a bf16 target ("Found dtype BFloat16 but expected Float").
+        return torch.nn.functional.mse_loss(self(x).float(), y.float())
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=3e-2)
