@@ -25,6 +25,7 @@ BENCHMARKS = {
     "slow-link": "ds_plugin.bench.slow_link",
     "fp8": "ds_plugin.bench.fp8",
     "kernels": "ds_plugin.bench.kernels",
+    "kernel-resources": "ds_plugin.bench.kernel_resources",
 }
 
 

@@ -37,6 +37,7 @@ WORK = {
     "comm": "run",
     "fp8": "benchmark",
     "kernels": "benchmark",
+    "kernel-resources": "report",
     "lora-memory": "run",
     "peers": "run",
     "slow-link": "benchmark",
@@ -228,6 +229,7 @@ BENCH_FLAGS: dict[str, Spec] = {
         "--formats": (["int4", "fp6,int8"], bad_list(("fp6", "int4", "int8"))),
         "--out-dir": (["new_results"], bad_output_dir),
     },
+    "kernel-resources": {"--arch": (["90", "80"], bad_int(70, 200)), "--out": (["new/res.json"], bad_output)},
     "lora-memory": {
         "--world-size": (["2"], bad_int(1, 1024)),
         "--size": (["tiny", "100m"], bad_choice(("100m", "tiny"))),
@@ -279,7 +281,7 @@ BENCH_FLAGS: dict[str, Spec] = {
 }
 BENCH_SWITCHES = {"comm": ["--json"], "fp8": ["--json"], "kernels": ["--json", "--no-gemlite"]}
 BENCH_SWITCHES |= {"lora-memory": ["--json", "--no-isolate"], "peers": ["--json"], "slow-link": ["--json"]}
-BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"]}
+BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"], "kernel-resources": ["--json"]}
 assert set(BENCH_FLAGS) == set(BENCHMARKS) == set(BENCH_SWITCHES)
 
 ESTIMATE_FLAGS: Spec = {

@@ -329,7 +329,7 @@ _MID_M = (  # 16 < M <= 128
     Config(64, 128, 64, num_warps=8), Config(128, 64, 64, num_warps=8),
 )
 # M > 128: tensor-core tiles; the decode is amortised over BM rows. No candidate spills registers on sm_90 beyond a
-# few words (``python -m ds_plugin.kernels.resources``): a post-scaled 128 x 256 tile, with its two fp32
+# few words (``ds-plugin bench kernel-resources``): a post-scaled 128 x 256 tile, with its two fp32
 # accumulators, spilled ~1 KB per thread, so that tile scales per element.
 _LARGE_M = (
     Config(128, 128, 64, num_warps=8), Config(128, 256, 64, post_scale=False, num_warps=8),

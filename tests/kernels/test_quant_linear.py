@@ -284,7 +284,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(compiled):
     # The interpreter never runs Triton's compiler, whose rules differ (static branches, types, layouts); this
     # builds sm_90 cubins on CPU with the ptxas triton ships, so those errors show up without a GPU.
     pytest.importorskip("triton.backends.nvidia")
-    from ds_plugin.kernels.resources import compile_for
+    from ds_plugin.bench.kernel_resources import compile_for
 
     try:
         compile_for("fwd", "int8", "bf16", qlt.forward_configs(1, 128, 8192)[0])
@@ -297,6 +297,26 @@ def test_kernels_compile_for_hopper_without_a_gpu(compiled):
     compile_for("bwd", "fp6", "fp16", qlt.backward_configs(4096)[0])
 
 
+def test_bench_kernel_resources_reports_each_build(compiled, monkeypatch, tmp_path, capsys):
+    # The command end to end on one tiling (6 builds: 3 formats x 2 dtypes); the long tier runs every tiling.
+    pytest.importorskip("triton.backends.nvidia")
+    from ds_plugin.bench import kernel_resources
+    from ds_plugin.cli import main
+
+    one = qlt.Config(16, 64, 64)
+    monkeypatch.setattr(kernel_resources, "candidate_tilings", lambda group, k=8192: [("fwd", "M<=16", one)])
+    out = tmp_path / "new" / "resources.json"
+    assert main(["bench", "kernel-resources", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["arch"] == "sm_90" and report["shared_memory_limit"] == 232448
+    want = [(f, d) for f in qlt.KERNEL_FORMATS for d in ("bf16", "fp16")]
+    assert [(r["format"], r["dtype"]) for r in report["rows"]] == want
+    # 16-row tiles are below wgmma's 64 rows: Triton lowers their dots to mma.sync.
+    assert all(r["fits"] and 0 < r["registers"] <= 255 and r["mma"] == "mma.sync" for r in report["rows"])
+    assert table.count("16x64x64 w4 s3") == 6
+
+
 @pytest.mark.long
 def test_every_candidate_tiling_builds_for_hopper_and_fits(compiled):
     # Every tiling the op may time, for each format and dtype, forward and backward (about 2 minutes of compiles):
@@ -304,7 +324,7 @@ def test_every_candidate_tiling_builds_for_hopper_and_fits(compiled):
     # per thread (the post-scaled 128 x 256 tile spilled 1 KB: a slow kernel) and each shape class keeps one that
     # spills nothing (a few words of spill differ between Triton releases); large-M dots become Hopper's wgmma.
     pytest.importorskip("triton.backends.nvidia")
-    from ds_plugin.kernels import resources
+    from ds_plugin.bench import kernel_resources as resources
 
     rows = resources.report(90, progress=False)["rows"]
     assert len(rows) == 2 * sum(len(resources.candidate_tilings(64 if f == "int4" else 128)) for f in FORMATS)

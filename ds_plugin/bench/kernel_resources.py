@@ -1,4 +1,4 @@
-"""The quantized-linear kernels compiled for an NVIDIA GPU on a machine without one, and what each tiling costs.
+"""`ds-plugin bench kernel-resources`: the GEMM kernels built for an NVIDIA GPU without one, and each tiling's cost.
 
 Triton's interpreter never runs its compiler, so a kernel can pass every CPU test and still fail to build, or ask
 for more shared memory than the GPU has, or spill registers. This compiles every candidate tiling of
@@ -7,7 +7,7 @@ Triton ships, and reports per tiling the shared memory, registers per thread, sp
 instruction the dot became (``wgmma`` on Hopper, else ``mma.sync``) and how many asynchronous copies (the
 software pipeline's loads) the PTX holds::
 
-    python -m ds_plugin.kernels.resources --arch 90 --json out.json
+    ds-plugin bench kernel-resources --arch 90 [--json] [--out report.json]
 
 A tiling over the device's shared memory is skipped by the op's tuner at run time; one that spills runs slowly.
 """
@@ -153,34 +153,40 @@ def _ptxas_version(arch: int) -> str:
     return str(get_ptxas(arch).version)
 
 
+def _table(result: dict[str, Any]) -> str:
+    head = f"{'format':6} {'dtype':5} {'pass':4} {'shape':9} {'tiling':32} {'shared B':>8} {'regs':>4} {'spill B':>7}"
+    head += "  mma"
+    lines = [f"sm_{result['arch'][3:]}, triton {result['triton']}, ptxas {result['ptxas']}", head]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['format']:6} {r['dtype']:5} {r['pass']:4} {r['shape_class']:9} {r['tiling']:32} "
+            f"{r['shared_bytes']:>8} {r['registers']:>4} {r['spill_stores']:>7}  {r['mma']}"
+            + ("" if r["fits"] else "  OVER SHARED MEMORY")
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `ds-plugin bench kernel-resources`."""
     from ds_plugin._argparse import ArgumentParser, count, output_file
 
-    parser = ArgumentParser(prog="python -m ds_plugin.kernels.resources", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="ds-plugin bench kernel-resources", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=count(70, 200), default=90, help="compute capability (default 90: H100/H200)")
-    parser.add_argument("--json", type=output_file, default=None, help="also write the report to this file")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    parser.add_argument("--out", type=output_file, default=None, help="also write the JSON report to this file")
     args = parser.parse_args(argv)
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
-        print("this triton build has no NVIDIA backend: nothing to compile", file=sys.stderr)
+        print(json.dumps({"skipped": "this triton build has no NVIDIA backend: nothing to compile"}))
         return 0
     try:
         result = report(args.arch)
     except FileNotFoundError as e:  # a triton build without its ptxas
-        print(f"cannot compile for sm_{args.arch} here: {e}", file=sys.stderr)
+        print(f"ds-plugin bench kernel-resources: cannot compile for sm_{args.arch} here: {e}", file=sys.stderr)
         return 1
-    text = json.dumps(result, indent=1)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
-    for r in result["rows"]:
-        if not r["fits"] or r["spill_stores"]:
-            shared, spills = r["shared_bytes"], r["spill_stores"]
-            tiling = f"{r['format']} {r['dtype']} {r['pass']} {r['tiling']}"
-            print(f"{tiling}: shared memory {shared} B, spill stores {spills} B per thread", file=sys.stderr)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1) if args.json else _table(result))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
