@@ -173,9 +173,11 @@ def _hook_trainer(module: ModuleType) -> None:
             if engine is None:
                 return original(self, output_dir, _internal_call)
             output_dir = output_dir or self.args.output_dir
-            # Every rank gathers (a collective); `_save` writes on the saving rank only.
+            # Every rank gathers (a collective); only the saving rank writes. transformers < 5.24's `_save` assumes it
+            # runs there alone: called on another rank it wrote that rank's empty dict over the same files.
             state = full_state_dict(engine, trainable_only=_is_peft(self.model))
-            self._save(output_dir, state_dict=state)
+            if self.args.should_save:
+                self._save(output_dir, state_dict=state)
             if self.args.push_to_hub and not _internal_call:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
             return None

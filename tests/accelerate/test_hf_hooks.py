@@ -1,0 +1,50 @@
+"""The HF Trainer hooks of `ds_plugin.accelerate.hf`, on a stand-in Trainer class (no process group needed)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+
+import ds_plugin.adapters
+from ds_plugin.accelerate import hf
+
+
+class _Trainer:
+    """The methods `_hook_trainer` wraps, recording what the wrappers call."""
+
+    def __init__(self, should_save: bool) -> None:
+        self.args = types.SimpleNamespace(should_save=should_save, output_dir="out", push_to_hub=False)
+        self.model = object()
+        self.saved: list[tuple[Any, Any]] = []
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        return {}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        raise AssertionError("the engine's save must not fall back to the Trainer's own")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None: ...
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None: ...
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        self.saved.append((output_dir, state_dict))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_save_model_gathers_on_every_rank_and_writes_on_the_saving_rank_only(rank, monkeypatch):
+    # transformers < 5.24's Trainer._save writes whatever it is given, on any rank: a second rank's call wrote its
+    # empty dict over rank 0's adapter (seen with transformers 5.17 and trl's DPOTrainer, 3 runs in 10).
+    gathered = []
+    full = {"lora_A.weight": "rank 0's tensor"} if rank == 0 else {}
+    monkeypatch.setattr(ds_plugin.adapters, "full_state_dict", lambda engine, **kw: gathered.append(engine) or full)
+    module = types.ModuleType("stand_in_trainer")
+    module.Trainer = type("Trainer", (_Trainer,), {})
+    hf._hook_trainer(module)
+    monkeypatch.setattr(hf, "_engine", lambda trainer: "engine")
+    trainer = module.Trainer(should_save=rank == 0)
+    trainer.save_model("adapter")
+    assert gathered == ["engine"]  # the gather is a collective: every rank joins it
+    assert trainer.saved == ([("adapter", full)] if rank == 0 else [])
