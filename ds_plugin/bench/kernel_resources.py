@@ -32,7 +32,7 @@ __all__ = ["SHARED_MEMORY_LIMIT", "candidate_tilings", "compile_for", "ptxas_usa
 
 # Opt-in shared memory per block (bytes), by compute capability: A100 163 KiB, L40/4090 99 KiB, H100/H200 227 KiB.
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-_DTYPES = {"bf16": "bf16", "fp16": "fp16"}
+_DTYPES = ("bf16", "fp16")
 _SHAPE_CLASSES = (("M<=16", 16), ("16<M<=128", 128), ("M>128", 4096))
 
 
@@ -43,7 +43,7 @@ def compile_for(kind: str, fmt: str, dtype: str, cfg: qlt.Config, arch: int = 90
         kind: "fwd" or "bwd".
         fmt: "int8", "int4" or "fp6".
         dtype: the activations, "bf16" or "fp16".
-        cfg: the tiling (adjusted to ``group`` as the op adjusts it).
+        cfg: the tiling, already fitted to ``group`` (as :func:`candidate_tilings` gives it).
         arch: the compute capability, e.g. 90 for H100/H200.
         group: the weight's group size.
     """
@@ -53,9 +53,9 @@ def compile_for(kind: str, fmt: str, dtype: str, cfg: qlt.Config, arch: int = 90
     forward = kind == "fwd"
     kernel = qlt._jit(qlt._fwd_kernel if forward else qlt._bwd_kernel)
     io = ("x_ptr", "y_ptr") if forward else ("dy_ptr", "dx_ptr")
-    sig = {io[0]: f"*{_DTYPES[dtype]}", "w_ptr": "*i8" if fmt == "int8" else "*i32", "s_ptr": "*i16", "z_ptr": "*u8"}
+    sig = {io[0]: f"*{dtype}", "w_ptr": "*i8" if fmt == "int8" else "*i32", "s_ptr": "*i16", "z_ptr": "*u8"}
     sig.update({"b_ptr": "*fp32"} if forward else {})
-    sig.update({io[1]: f"*{_DTYPES[dtype]}", "M": "i32", "N": "i32", "K": "i32", "hi_off": "i32"})
+    sig.update({io[1]: f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "hi_off": "i32"})
     strides = ("xm", "wn", "sn", "zn", "ym") if forward else ("dym", "wn", "sn", "zn", "dxm")
     sig.update({f"stride_{a}": "i32" for a in strides})
     const = {"FMT": qlt._FMT_ID[fmt], "G": group, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m}
@@ -63,8 +63,14 @@ def compile_for(kind: str, fmt: str, dtype: str, cfg: qlt.Config, arch: int = 90
     if forward:
         const.update(POST_SCALE=cfg.post_scale, HAS_BIAS=True, SPLIT_K=cfg.split_k)
     sig.update(dict.fromkeys(const, "constexpr"))
-    # What a launch on real tensors specialises on: 16-byte aligned pointers, strides divisible by 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if sig[name][0] == "*" or "stride" in name}
+    # What a launch on Llama-sized weights specialises on: 16-byte aligned pointers; strides, N, K and the fp6 plane
+    # offset divisible by 16 (M is never specialised).
+    wide = {"N", "K", "hi_off"}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(sig)
+        if sig[name][0] == "*" or "stride" in name or name in wide
+    }
     source = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

@@ -335,9 +335,11 @@ _LARGE_M = (
     Config(128, 128, 64, num_warps=8), Config(128, 256, 64, post_scale=False, num_warps=8),
     Config(128, 128, 64, post_scale=False, num_warps=8), Config(64, 128, 64, num_stages=4),
 )
-_BACKWARD = (  # bn: the reduction step over N; bk: output columns (a 128 x 256 tile spilled on sm_90)
+# Backward: bn is the reduction step over N, bk the output columns. Replaced for spilling on sm_90: 128 x 256 output
+# tiles, and 64 x 128 on 4 warps (int4, Triton 3.6).
+_BACKWARD = (
     Config(128, 64, 128, num_warps=8), Config(128, 32, 128, num_warps=8, num_stages=4),
-    Config(64, 64, 128, num_stages=4), Config(128, 64, 128, num_warps=8, num_stages=4),
+    Config(64, 64, 128, num_warps=8, num_stages=4), Config(128, 64, 128, num_warps=8, num_stages=4),
 )
 _BACKWARD_SMALL = (Config(16, 64, 64, num_stages=4), Config(16, 64, 128))
 # fmt: on

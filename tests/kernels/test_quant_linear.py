@@ -320,16 +320,16 @@ def test_bench_kernel_resources_reports_each_build(compiled, monkeypatch, tmp_pa
 @pytest.mark.long
 def test_every_candidate_tiling_builds_for_hopper_and_fits(compiled):
     # Every tiling the op may time, for each format and dtype, forward and backward (about 2 minutes of compiles):
-    # it builds and fits in an H100's shared memory (else the tuner skips it on the GPU); none spills a quarter KB
-    # per thread (the post-scaled 128 x 256 tile spilled 1 KB: a slow kernel) and each shape class keeps one that
-    # spills nothing (a few words of spill differ between Triton releases); large-M dots become Hopper's wgmma.
+    # it builds and fits in an H100's shared memory (else the tuner skips it on the GPU); none spills more than a
+    # few words per thread (the post-scaled 128 x 256 tile spilled 1 KB: a slow kernel), each shape class keeps one
+    # that spills nothing, and large-M dots become Hopper's wgmma.
     pytest.importorskip("triton.backends.nvidia")
     from ds_plugin.bench import kernel_resources as resources
 
     rows = resources.report(90, progress=False)["rows"]
     assert len(rows) == 2 * sum(len(resources.candidate_tilings(64 if f == "int4" else 128)) for f in FORMATS)
     assert [r for r in rows if not r["fits"]] == []
-    assert [r for r in rows if r["spill_stores"] >= 256] == []
+    assert [r for r in rows if r["spill_stores"] > 128] == []
     classes = {(r["format"], r["dtype"], r["pass"], r["shape_class"]) for r in rows}
     spill_free = {(r["format"], r["dtype"], r["pass"], r["shape_class"]) for r in rows if r["spill_stores"] == 0}
     assert classes == spill_free
