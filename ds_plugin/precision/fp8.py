@@ -180,9 +180,16 @@ def dequantize(q: ScaledFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return x[:rows, :cols].to(dtype)
 
 
-def _check_recipe(recipe: str) -> None:
+def _quantize_operand(t: torch.Tensor, recipe: str, dtype: torch.dtype, blockwise: tuple[int, int]) -> ScaledFp8:
+    """One scale for the whole matrix, one per row, or one per `blockwise` tile (always E4M3)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; use one of {', '.join(RECIPES)}")
+    rows, cols = t.shape
+    if recipe == "tensorwise":
+        return quantize_blocks(t, (rows, cols), dtype)
+    if recipe == "rowwise":
+        return quantize_blocks(t, (1, cols), dtype)
+    return quantize_blocks(t, blockwise, torch.float8_e4m3fn)
 
 
 def quantize_activation(x: torch.Tensor, recipe: str, dtype: torch.dtype = torch.float8_e4m3fn) -> ScaledFp8:
@@ -194,13 +201,7 @@ def quantize_activation(x: torch.Tensor, recipe: str, dtype: torch.dtype = torch
             K, scale (M, ceil(K/128)); always E4M3).
         dtype: fp8 dtype for tensorwise/rowwise.
     """
-    _check_recipe(recipe)
-    rows, cols = x.shape
-    if recipe == "tensorwise":
-        return quantize_blocks(x, (rows, cols), dtype)
-    if recipe == "rowwise":
-        return quantize_blocks(x, (1, cols), dtype)
-    return quantize_blocks(x, (1, BLOCK), torch.float8_e4m3fn)
+    return _quantize_operand(x, recipe, dtype, (1, BLOCK))
 
 
 def quantize_weight(w: torch.Tensor, recipe: str, dtype: torch.dtype = torch.float8_e4m3fn) -> ScaledFp8:
@@ -212,13 +213,7 @@ def quantize_weight(w: torch.Tensor, recipe: str, dtype: torch.dtype = torch.flo
             ``"blockwise"`` (128×128 blocks, scale (ceil(N/128), ceil(K/128)); always E4M3).
         dtype: fp8 dtype for tensorwise/rowwise.
     """
-    _check_recipe(recipe)
-    rows, cols = w.shape
-    if recipe == "tensorwise":
-        return quantize_blocks(w, (rows, cols), dtype)
-    if recipe == "rowwise":
-        return quantize_blocks(w, (1, cols), dtype)
-    return quantize_blocks(w, (BLOCK, BLOCK), torch.float8_e4m3fn)
+    return _quantize_operand(w, recipe, dtype, (BLOCK, BLOCK))
 
 
 def scaled_mm_emulated(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
