@@ -16,7 +16,7 @@ and dequantizes back to bf16. The forward pass computes in fp32 by default (``--
 bf16): the rows then differ only by their weight values, not by bf16 activation rounding, and on CPUs without bf16
 matrix units the fp32 pass is ~5x faster.
 
-    python benchmarks/frozen_quality.py [--steps 600] [--threads 2] [--compute-dtype float32] [--out PATH]
+    python -m benchmarks.frozen_quality [--steps 600] [--threads 2] [--compute-dtype float32] [--out PATH]
 """
 
 from __future__ import annotations

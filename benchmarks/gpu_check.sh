@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 step 150 "gpu tests" 'python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT_DIR/gpu_tests.log"'
 step 195 "bench kernels" 'python3 -m ds_plugin.cli bench kernels --out-dir "$OUT_DIR" > "$OUT_DIR/kernels.txt"'
 step 70 "bench fp8" 'python3 -m ds_plugin.cli bench fp8 --json > "$OUT_DIR/fp8_gpu.json"'
-step 60 "quantizer" 'python3 benchmarks/gpu_check.py > "$OUT_DIR/quant_gpu.json"'
+step 60 "quantizer" 'python3 -m benchmarks.gpu_check > "$OUT_DIR/quant_gpu.json"'
 tail -n 3 "$out/gpu_tests.log"; tail -n 8 "$out/kernels.txt"; cat "$out/gpu_steps.txt"
 head -c 1500 "$out/fp8_gpu.json"; echo; head -c 1500 "$out/quant_gpu.json"; echo
 exit $status

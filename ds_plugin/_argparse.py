@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import stat
 from collections.abc import Callable, Iterable
 from typing import NoReturn
@@ -28,7 +27,6 @@ __all__ = [
     "output_dir",
     "output_file",
     "shown",
-    "tc_quantity",
 ]
 
 # The largest count or size any flag takes: torch dimensions, NCCL/gloo element counts and most kernels index
@@ -111,30 +109,6 @@ def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
             what = f"unknown {', '.join(map(shown, unknown))}" if unknown else "no name given"
             raise argparse.ArgumentTypeError(f"{what}; choose from {','.join(allowed)}")
         return names
-
-    return parse
-
-
-# tc's units (tc(8), "PARAMETERS"): a bare number is bits/s for a rate, bytes for a size, microseconds for a time.
-_TC_UNITS = {
-    "rate": {"", "bit", "kbit", "mbit", "gbit", "tbit", "bps", "kbps", "mbps", "gbps", "tbps"}
-    | {"kibit", "mibit", "gibit", "tibit", "kibps", "mibps", "gibps", "tibps"},
-    "size": {"", "b", "k", "kb", "kbit", "m", "mb", "mbit", "g", "gb", "gbit"},
-    "time": {"", "s", "sec", "secs", "ms", "msec", "msecs", "us", "usec", "usecs"},
-}
-_TC_RE = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,9})?)([a-z]*)")  # ASCII digits: tc reads no others
-
-
-def tc_quantity(kind: str) -> Callable[[str], str]:
-    """A `type=` for a positive tc rate, size or time ("1gbit", "256kb", "100ms"), checked before `tc` sees it."""
-    units = _TC_UNITS[kind]
-
-    def parse(text: str) -> str:
-        m = _TC_RE.fullmatch(text.strip().lower())
-        if not m or m.group(2) not in units or float(m.group(1)) <= 0:
-            example = {"rate": "1gbit", "size": "256kb", "time": "100ms"}[kind]
-            raise argparse.ArgumentTypeError(f"{shown(text)} is not a positive tc {kind} such as {example}")
-        return m.group(1) + m.group(2)  # as tc reads it: lower case, no spaces
 
     return parse
 

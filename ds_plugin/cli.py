@@ -1,4 +1,4 @@
-"""The `ds-plugin` command: env, check-config, estimate, export, bench.
+"""The `ds-plugin` command: env, check-config, estimate, export, bench (the last from a repository checkout only).
 
 Every user mistake ends in one line on stderr and exit code 2; never a traceback. Mistakes in the command line
 fail while it is parsed (`ds_plugin._argparse`), mistakes in the files it names raise `UsageError`,
@@ -13,20 +13,28 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 from ds_plugin._argparse import MAX_COUNT, ArgumentParser, count, existing_path, number, one_line, output_dir, shown
 from ds_plugin.config import ConfigError
 
+# The harnesses live in the repository's top-level `benchmarks/` package, which the wheel does not ship: they need
+# network namespaces, DeepSpeed or bitsandbytes, and a user's machine check needs none of them.
 BENCHMARKS = {
-    "zero-memory": "ds_plugin.bench.zero_memory",
-    "lora-memory": "ds_plugin.bench.lora_memory",
-    "peers": "ds_plugin.bench.peers",
-    "comm": "ds_plugin.bench.comm",
-    "slow-link": "ds_plugin.bench.slow_link",
-    "fp8": "ds_plugin.bench.fp8",
-    "kernels": "ds_plugin.bench.kernels",
-    "kernel-resources": "ds_plugin.bench.kernel_resources",
+    "zero-memory": "benchmarks.zero_memory",
+    "lora-memory": "benchmarks.lora_memory",
+    "peers": "benchmarks.peers",
+    "comm": "benchmarks.comm",
+    "slow-link": "benchmarks.slow_link",
+    "fp8": "benchmarks.fp8",
+    "kernels": "benchmarks.kernels",
+    "kernel-resources": "benchmarks.kernel_resources",
 }
+NO_CHECKOUT = (
+    "needs the repository checkout (benchmarks/ is not installed): run it from a clone installed with "
+    "`pip install -e .`"
+)
 
 
 class UsageError(Exception):
@@ -149,8 +157,41 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkout_root() -> Path | None:
+    """The repository checkout this ds_plugin runs from (an editable install or PYTHONPATH), else None.
+
+    A wheel puts ds_plugin in site-packages, where no `benchmarks/` package of this repository sits beside it.
+    """
+    root = Path(__file__).resolve().parents[1]
+    if (root / "benchmarks" / "__init__.py").is_file() and (root / "pyproject.toml").is_file():
+        return root
+    return None
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The module of benchmark `name` (a key of `BENCHMARKS`), imported from the checkout's `benchmarks/`.
+
+    Args:
+        name: the benchmark's name on the command line, e.g. ``"zero-memory"``.
+
+    Raises:
+        UsageError: ds_plugin is not running from a checkout, so there are no benchmarks to import.
+    """
+    root = checkout_root()
+    if root is None:
+        raise UsageError(NO_CHECKOUT)
+    # The checkout goes first so that no other top-level `benchmarks` module shadows it; processes the harness
+    # spawns inherit sys.path.
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module(BENCHMARKS[name])
+    if not Path(module.__file__ or "").resolve().is_relative_to(root / "benchmarks"):
+        raise UsageError(f"`benchmarks` was imported from {module.__file__}, not from the checkout at {root}")
+    return module
+
+
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    module = importlib.import_module(BENCHMARKS[args.name])
+    module = load_benchmark(args.name)
     try:
         return int(module.main(rest) or 0)
     except SystemExit as exc:  # the benchmark's parser refused `rest` (or printed --help)
@@ -213,7 +254,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast the weights (default: as saved)")
     p.set_defaults(func=_cmd_export, parser=p)
 
-    p = sub.add_parser("bench", help="benchmarks that print JSON; `ds-plugin bench NAME --help`")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks that print JSON (need the repository checkout); `ds-plugin bench NAME --help`",
+        description="Run a benchmark of the repository's benchmarks/ package, which `pip install .` does not install: "
+        "it needs a clone installed with `pip install -e .`.",
+    )
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.set_defaults(func=None, parser=p)
     return parser

@@ -9,8 +9,6 @@ the same way, on the shapes and tilings they run for real.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -280,62 +278,6 @@ def test_kernels_are_jitted_per_mode(monkeypatch):
     assert qlt._jit(qlt._fwd_kernel) is compiled_kernel
 
 
-def test_kernels_compile_for_hopper_without_a_gpu(compiled):
-    # The interpreter never runs Triton's compiler, whose rules differ (static branches, types, layouts); this
-    # builds sm_90 cubins on CPU with the ptxas triton ships, so those errors show up without a GPU.
-    pytest.importorskip("triton.backends.nvidia")
-    from ds_plugin.bench.kernel_resources import compile_for
-
-    try:
-        compile_for("fwd", "int8", "bf16", qlt.forward_configs(1, 128, 8192)[0])
-    except (FileNotFoundError, RuntimeError) as e:  # no ptxas in this triton build
-        if "ptxas" in str(e):
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        raise
-    compile_for("fwd", "fp6", "bf16", qlt.forward_configs(1, 128, 8192)[0])
-    compile_for("fwd", "int4", "fp16", qlt.forward_configs(4096, 64, 8192)[2], group=64)
-    compile_for("bwd", "fp6", "fp16", qlt.backward_configs(4096)[0])
-
-
-def test_bench_kernel_resources_reports_each_build(compiled, monkeypatch, tmp_path, capsys):
-    # The command end to end on one tiling (6 builds: 3 formats x 2 dtypes); the long tier runs every tiling.
-    pytest.importorskip("triton.backends.nvidia")
-    from ds_plugin.bench import kernel_resources
-    from ds_plugin.cli import main
-
-    one = qlt.Config(16, 64, 64)
-    monkeypatch.setattr(kernel_resources, "candidate_tilings", lambda group, k=8192: [("fwd", "M<=16", one)])
-    out = tmp_path / "new" / "resources.json"
-    assert main(["bench", "kernel-resources", "--out", str(out)]) == 0
-    table = capsys.readouterr().out
-    report = json.loads(out.read_text())
-    assert report["arch"] == "sm_90" and report["shared_memory_limit"] == 232448
-    want = [(f, d) for f in qlt.KERNEL_FORMATS for d in ("bf16", "fp16")]
-    assert [(r["format"], r["dtype"]) for r in report["rows"]] == want
-    # 16-row tiles are below wgmma's 64 rows: Triton lowers their dots to mma.sync.
-    assert all(r["fits"] and 0 < r["registers"] <= 255 and r["mma"] == "mma.sync" for r in report["rows"])
-    assert table.count("16x64x64 w4 s3") == 6
-
-
-@pytest.mark.long
-def test_every_candidate_tiling_builds_for_hopper_and_fits(compiled):
-    # Every tiling the op may time, for each format and dtype, forward and backward (about 2 minutes of compiles):
-    # it builds and fits in an H100's shared memory (else the tuner skips it on the GPU); none spills more than a
-    # few words per thread (the post-scaled 128 x 256 tile spilled 1 KB: a slow kernel), each shape class keeps one
-    # that spills nothing, and large-M dots become Hopper's wgmma.
-    pytest.importorskip("triton.backends.nvidia")
-    from ds_plugin.bench import kernel_resources as resources
-
-    rows = resources.report(90, progress=False)["rows"]
-    assert len(rows) == 2 * sum(len(resources.candidate_tilings(64 if f == "int4" else 128)) for f in FORMATS)
-    assert [r for r in rows if not r["fits"]] == []
-    assert [r for r in rows if r["spill_stores"] > 128] == []
-    classes = {(r["format"], r["dtype"], r["pass"], r["shape_class"]) for r in rows}
-    spill_free = {(r["format"], r["dtype"], r["pass"], r["shape_class"]) for r in rows if r["spill_stores"] == 0}
-    assert classes == spill_free
-    assert {r["mma"] for r in rows if r["shape_class"] in ("M>128", "M>16")} == {"wgmma"}
-
-
 # ----------------------------------------------------------------------------------------- compiled, on a GPU
 
 GPU_SHAPES = [(1, 200, 384), (7, 200, 384), (16, 1000, 512), (33, 200, 384), (300, 520, 640)]
@@ -392,38 +334,6 @@ def test_frozen_linear_on_cuda_goes_through_the_kernels(compiled, fmt, monkeypat
     w = layer.weight.dequantize(torch.float32)
     _check(y.view(36, 384), x.detach().view(36, 512), w, layer.bias)
     _check(x.grad.view(36, 512), (2 * y.float()).to(y.dtype).view(36, 384), w.T)
-
-
-# ------------------------------------------------------------------------------------------ ds-plugin bench kernels
-
-
-def test_bench_kernels_without_a_gpu_says_so(monkeypatch, capsys):
-    from ds_plugin.cli import main
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["bench", "kernels", "--json"]) == 0
-    assert '"skipped"' in capsys.readouterr().out
-
-
-def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
-    # The whole timing loop on CPU: Triton's interpreter for the kernels, a stand-in timer for do_bench.
-    from ds_plugin.bench import kernels as bench
-
-    ticks = iter(range(1, 1000))
-    monkeypatch.setattr(bench, "_median_us", lambda fn: fn() is None or float(next(ticks)))
-    rows = bench.benchmark(torch.device("cpu"), ((32, 128),), (1, 3), gemlite=False, backward_m=3)
-    keys = ["kernel", "N", "K", "M", "pass", "latency_us", "bf16_latency_us", "speedup_vs_bf16", "bandwidth_fraction"]
-    assert all(list(r) == keys for r in rows)
-    assert [(r["kernel"], r["M"], r["pass"]) for r in rows] == [
-        *[(f, m, "fwd") for m in (1, 3) for f in ("fp6", "int4", "int8")],
-        *[(f, 3, "bwd") for f in ("fp6", "int4", "int8")],
-    ]
-    assert rows[0]["speedup_vs_bf16"] == rows[0]["bf16_latency_us"] / rows[0]["latency_us"]
-    assert bench.peak_bandwidth("NVIDIA H200") == 4.8e12 and bench.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
-    report = {"device": "NVIDIA H100 80GB HBM3", "torch": "2", "triton": "3", "date": "2026-01-02", "rows": rows}
-    path = bench.write_report(report, tmp_path)
-    assert path.name == "kernels-nvidia-h100-80gb-hbm3-2026-01-02.json"
-    assert list(json.loads(path.read_text())) == ["device", "torch", "triton", "date", "rows"]
 
 
 @pytest.mark.gpu

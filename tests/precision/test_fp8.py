@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from types import SimpleNamespace
 
@@ -10,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from ds_plugin.bench import fp8 as bench_fp8
 from ds_plugin.precision import fp8 as fp8_mod
 from ds_plugin.precision.fp8 import (
     ScaledFp8,
@@ -421,22 +419,3 @@ def test_convert_without_eligible_layer_raises() -> None:
         convert_to_fp8_training(nn.Sequential(nn.Embedding(4, 16), nn.LayerNorm(16)), "tensorwise")
     with pytest.raises(ValueError, match="recipe"):
         convert_to_fp8_training(nn.Linear(16, 16), "int8")
-
-
-# ----------------------------------------------------------------------------------------------- benchmark
-
-
-def test_bench_skips_without_gpu(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_fp8.main(["--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"skipped": "needs a CUDA GPU"}
-    assert bench_fp8.main([]) == 0
-    assert "needs a CUDA GPU" in capsys.readouterr().out
-
-
-def test_bench_runs_tiny_on_cpu() -> None:
-    results = bench_fp8.benchmark("cpu", hidden=128, layers=1, steps=4, batch_tokens=128, warmup=1)
-    assert set(results) == {"bf16", "tensorwise", "rowwise", "blockwise"}
-    for name in ("tensorwise", "rowwise", "blockwise"):
-        assert results[name]["step_s"] > 0 and results[name]["speedup_vs_bf16"] > 0
-        assert 0 <= results[name]["loss_rel_diff"] < 0.05

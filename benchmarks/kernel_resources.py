@@ -196,3 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1) if args.json else _table(result))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

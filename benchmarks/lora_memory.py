@@ -14,7 +14,7 @@ for a few steps on the same fixed token batch, in fresh processes (so its peak R
 Per run (max over ranks, except losses):
 - model_state_bytes_per_rank: storage bytes of parameters (a quantized weight's components, bnb's packed
   weight and its quant_state tensors included), gradients and optimizer state, each storage once
-  (`ds_plugin.bench._model_states`), after the last step's backward, before its optimizer step;
+  (`benchmarks._model_states`), after the last step's backward, before its optimizer step;
 - frozen_linear_bytes_per_rank: the part of it that is frozen Linear weights (the output head is tied to the
   embedding and counted with it);
 - frozen_allgather_bytes_per_step: bytes the last step's ZeRO-3 all-gathers delivered of frozen Linear weights
@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from ds_plugin._argparse import MAX_LOCAL_RANKS, ArgumentParser, choice_list, count, output_file
-from ds_plugin.bench._lora_workers import (
+from benchmarks._lora_workers import (
     FORMATS,
     LORA_RANK,
     LORA_TARGETS,
@@ -48,7 +47,8 @@ from ds_plugin.bench._lora_workers import (
     shared_worker,
     zero_worker,
 )
-from ds_plugin.bench._model_states import COLORS, FROZEN_CATEGORIES, source_revision
+from benchmarks._model_states import COLORS, FROZEN_CATEGORIES, source_revision
+from ds_plugin._argparse import MAX_LOCAL_RANKS, ArgumentParser, choice_list, count, output_file
 from ds_plugin.launch import run_ranks
 
 __all__ = ["PRESETS", "RUNS", "check_targets", "main", "model_config", "run"]
@@ -349,3 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no chart: matplotlib is not installed (pip install 'ds_plugin[bench]')", file=sys.stderr)
     print(text if args.json else _table(report))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """One rank of ``ds-plugin bench slow-link``: time training steps of one ZeRO config across the shaped link.
 
-Started by :mod:`ds_plugin.bench.slow_link` inside a network namespace with the torchrun-style environment
+Started by :mod:`benchmarks.slow_link` inside a network namespace with the torchrun-style environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``GLOO_SOCKET_IFNAME``). Every rank builds the same model from the same seed and trains on its own fixed
 batch, identical for every config, so the configs differ only in how they communicate. Each step runs
@@ -255,7 +255,7 @@ def floors(entry: dict[str, Any], rate: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ds_plugin.bench._slow_link_worker")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._slow_link_worker")
     parser.add_argument("--config", choices=CONFIGS, required=True)
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)

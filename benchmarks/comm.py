@@ -185,3 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(json.dumps(report["ratios"], indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ds_plugin.bench.lora_memory import RUNS, main
+from benchmarks.lora_memory import RUNS, main
 from ds_plugin.estimate import estimate, shape_from_hf_config
 
 pytestmark = pytest.mark.slow

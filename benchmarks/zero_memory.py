@@ -3,7 +3,7 @@
 Each stage trains the same bf16 GPT-2 with AdamW for a few steps on N gloo ranks. On the last step the
 model states are counted at several points ("probes"); the one compared with the ZeRO formula is
 `after_backward`: all gradients exist, the optimizer state exists, nothing has been freed by the step yet.
-What is counted is described in `ds_plugin.bench._model_states` (storage bytes, each storage once).
+What is counted is described in `benchmarks._model_states` (storage bytes, each storage once).
 
 The formula (ZeRO paper, Rajbhandari et al. 2020, section 5) assumes 2Ψ bf16 weights + 2Ψ bf16 grads + 12Ψ fp32 master
 and Adam moments per rank, divided by N where the stage shards them.
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from benchmarks._model_states import CATEGORIES, COLORS, FROZEN_CATEGORIES, Ledger, Recorder, source_revision
 from ds_plugin._argparse import MAX_LOCAL_RANKS, ArgumentParser, count, output_file
-from ds_plugin.bench._model_states import CATEGORIES, COLORS, FROZEN_CATEGORIES, Ledger, Recorder, source_revision
 from ds_plugin.estimate import lora_model_state_bytes, zero_model_state_bytes
 from ds_plugin.launch import run_ranks
 
@@ -413,3 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         draw(report, args.png)
     print(text if args.json else _table(report))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

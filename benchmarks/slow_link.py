@@ -28,12 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, tc_quantity
-from ds_plugin.bench._slow_link_worker import CONFIGS, floors, model_params, summarize
+from benchmarks._slow_link_worker import CONFIGS, floors, model_params, summarize
+from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, shown
 
 __all__ = ["Link", "benchmark", "link_commands", "main", "parse_args", "stale_namespaces"]
 
@@ -225,7 +226,7 @@ def qdisc_drops(link: Link) -> list[int]:
 
 def _worker_cmd(args: argparse.Namespace, config: str, out: Path) -> list[str]:
     return [
-        sys.executable, "-m", "ds_plugin.bench._slow_link_worker", "--config", config,
+        sys.executable, "-m", "benchmarks._slow_link_worker", "--config", config,
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch", str(args.batch),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--collective-timeout", str(args.timeout),
         "--out", str(out), "--host-memory-reuse", args.host_memory_reuse,
@@ -235,7 +236,7 @@ def _worker_cmd(args: argparse.Namespace, config: str, out: Path) -> list[str]:
 def run_config(args: argparse.Namespace, link: Link, config: str, workdir: Path, port: int) -> dict[str, Any]:
     """Run one config on 4 ranks (2 per namespace) and return rank 0's measurements (or an "error")."""
     out = workdir / f"{config}.json"
-    repo_root = str(Path(__file__).resolve().parents[2])
+    repo_root = str(Path(__file__).resolve().parents[1])
     logs = []
     for rank in range(NODES * RANKS_PER_NODE):
         node, local = divmod(rank, RANKS_PER_NODE)
@@ -294,13 +295,37 @@ def _machine() -> dict[str, Any]:
 
 def _commit() -> str | None:
     """The ds_plugin checkout's git commit ("-dirty" with uncommitted changes), or None outside a checkout."""
-    git = ["git", "-C", str(Path(__file__).resolve().parents[2])]
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
     try:
         head = _run([*git, "rev-parse", "--short", "HEAD"]).stdout.strip()
         dirty = _run([*git, "status", "--porcelain"]).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("-dirty" if dirty else "")
+
+
+# tc's units (tc(8), "PARAMETERS"): a bare number is bits/s for a rate, bytes for a size, microseconds for a time.
+_TC_UNITS = {
+    "rate": {"", "bit", "kbit", "mbit", "gbit", "tbit", "bps", "kbps", "mbps", "gbps", "tbps"}
+    | {"kibit", "mibit", "gibit", "tibit", "kibps", "mibps", "gibps", "tibps"},
+    "size": {"", "b", "k", "kb", "kbit", "m", "mb", "mbit", "g", "gb", "gbit"},
+    "time": {"", "s", "sec", "secs", "ms", "msec", "msecs", "us", "usec", "usecs"},
+}
+_TC_RE = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,9})?)([a-z]*)")  # ASCII digits: tc reads no others
+
+
+def tc_quantity(kind: str) -> Callable[[str], str]:
+    """A `type=` for a positive tc rate, size or time ("1gbit", "256kb", "100ms"), checked before `tc` sees it."""
+    units = _TC_UNITS[kind]
+
+    def parse(text: str) -> str:
+        m = _TC_RE.fullmatch(text.strip().lower())
+        if not m or m.group(2) not in units or float(m.group(1)) <= 0:
+            example = {"rate": "1gbit", "size": "256kb", "time": "100ms"}[kind]
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not a positive tc {kind} such as {example}")
+        return m.group(1) + m.group(2)  # as tc reads it: lower case, no spaces
+
+    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -436,3 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_text(report)
     failed = [name for name, entry in report["configs"].items() if "error" in entry]
     return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

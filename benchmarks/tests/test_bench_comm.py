@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_plugin.bench.comm import run
+from benchmarks.comm import run
 
 
 @pytest.mark.timeout(600)

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from ds_plugin.bench import slow_link
-from ds_plugin.bench._slow_link_worker import MlpStack, floors, model_params, rate_bytes_per_s, summarize
+from benchmarks import slow_link
+from benchmarks._slow_link_worker import MlpStack, floors, model_params, rate_bytes_per_s, summarize
 from ds_plugin.cli import main as cli_main
 
 RUN_SLOW = os.environ.get("DS_PLUGIN_RUN_SLOW_BENCH") == "1"
-_REPO = Path(slow_link.__file__).resolve().parents[2]
+_REPO = Path(slow_link.__file__).resolve().parents[1]
 
 
 def test_parse_args_defaults_and_configs():
@@ -165,7 +165,7 @@ def test_worker_on_loopback(tmp_path):
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(_REPO),
         }
-        cmd = [sys.executable, "-m", "ds_plugin.bench._slow_link_worker", "--config", "zeropp", "--hidden", "32",
+        cmd = [sys.executable, "-m", "benchmarks._slow_link_worker", "--config", "zeropp", "--hidden", "32",
                "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_plugin.bench._model_states import FROZEN_CATEGORIES, Ledger, count_model_states, fsdp_param_groups, local
+from benchmarks._model_states import FROZEN_CATEGORIES, Ledger, count_model_states, fsdp_param_groups, local
 
 __all__ = ["FORMATS", "LORA_RANK", "LORA_TARGETS", "LR", "bnb_worker", "model_config", "shared_worker", "zero_worker"]
 

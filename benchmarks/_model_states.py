@@ -52,7 +52,7 @@ COLORS = {
 
 def source_revision() -> dict[str, Any]:
     """The git commit the package ran from, and which engine files differed from it (benchmark provenance)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: benchmarks/..
 
     def git(*args: str) -> str:
         # rstrip only: `status --porcelain` lines start with a status column that may be a space.

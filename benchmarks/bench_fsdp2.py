@@ -1,6 +1,6 @@
 """Side by side: the same Accelerate script (train.py, bf16) under ds_plugin ZeRO-3 and under Accelerate's own FSDP2.
 
-    python examples/accelerate/bench_fsdp2.py [--steps 12] [--width 256] [--layers 4] [--repeats 2]
+    python -m benchmarks.bench_fsdp2 [--steps 12] [--width 256] [--layers 4] [--repeats 2]
 
 Three launches per repeat on 2 processes: ds_plugin (`-m ds_plugin.accelerate --ds-config zero3.json`),
 Accelerate's FSDP2 plugin (fsdp2_2proc.yaml, `fsdp_version: 2`), and plain Accelerate DDP. Each reports the median
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import psutil  # an Accelerate dependency
 
-HERE = Path(__file__).resolve().parent
+# The Accelerate recipe folder: its train.py and the launch configs all three runs use.
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "examples" / "accelerate"
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
 
@@ -40,7 +41,7 @@ def _launch(name: str, yaml: Path, args: list[str], ds_config: Path | None, env:
            str(procs)]  # fmt: skip
     if ds_config is not None:
         cmd += ["-m", "ds_plugin.accelerate", "--ds-config", str(ds_config), "--log-level", "warning"]
-    cmd += [str(HERE / "train.py"), *args, "--out", str(out)]
+    cmd += [str(RECIPE_DIR / "train.py"), *args, "--out", str(out)]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         family = {proc.pid: psutil.Process(proc.pid)}
@@ -79,10 +80,10 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1"}
     plain_env = env if args.gpus else {**env, "ACCELERATE_USE_CPU": "true"}
     procs = args.gpus or 2
-    multi = HERE / ("gpu_8.yaml" if args.gpus else "cpu_2proc.yaml")
+    multi = RECIPE_DIR / ("gpu_8.yaml" if args.gpus else "cpu_2proc.yaml")
     runs = {
-        "ds_plugin ZeRO-3 (bf16)": (multi, HERE / "zero3.json", env),
-        "Accelerate FSDP2 plugin (bf16)": (HERE / "fsdp2_2proc.yaml", None, plain_env),
+        "ds_plugin ZeRO-3 (bf16)": (multi, RECIPE_DIR / "zero3.json", env),
+        "Accelerate FSDP2 plugin (bf16)": (RECIPE_DIR / "fsdp2_2proc.yaml", None, plain_env),
         "Accelerate DDP (bf16 autocast)": (multi, None, plain_env),
     }
     rows = []

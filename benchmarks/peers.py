@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from benchmarks._deepspeed_peer import deepspeed_env, deepspeed_version, engine_step
+from benchmarks.zero_memory import source_revision
 from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, count, number, output_file
-from ds_plugin.bench._deepspeed_peer import deepspeed_env, deepspeed_version, engine_step
-from ds_plugin.bench.zero_memory import source_revision
 from ds_plugin.launch import run_ranks
 
 __all__ = ["NAMES", "main", "run"]
@@ -130,7 +130,7 @@ def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: 
     if name.startswith("ds_plugin_zero"):
         return _ds_plugin_step(model, int(name[-1]), bf16, reuse)
     if name.startswith("deepspeed_zero"):
-        from ds_plugin.bench._deepspeed_peer import make_deepspeed_step
+        from benchmarks._deepspeed_peer import make_deepspeed_step
 
         return make_deepspeed_step(
             model, stage=int(name[-1]), bf16=bf16, micro_batch=MICRO_BATCH, lr=LR, rank=rank, world=world
@@ -398,3 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         draw(report, args.png)
     print(text if args.json else _table(report))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

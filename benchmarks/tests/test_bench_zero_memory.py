@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_plugin.bench.zero_memory import CATEGORIES, FROZEN_CATEGORIES, Ledger, run
+from benchmarks.zero_memory import CATEGORIES, FROZEN_CATEGORIES, Ledger, run
 
 WORLD = 2
 

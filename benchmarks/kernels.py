@@ -335,3 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             geomean = math.exp(sum(map(math.log, small)) / len(small))
             print(f"{kernel}: geomean speedup over bf16 at M <= 16: {geomean:.2f}x")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

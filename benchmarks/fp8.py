@@ -190,3 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = f"  speedup {entry['speedup_vs_bf16']:.2f}x  loss rel diff {entry['loss_rel_diff']:.2%}"
         print(f"{name:>11}: {entry['step_s'] * 1e3:8.1f} ms/step{extra}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

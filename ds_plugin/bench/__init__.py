@@ -1,1 +1,0 @@
-"""Benchmarks: programs that print JSON (``ds-plugin bench NAME``)."""
