@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from ds_plugin.kernels import quant_triton
-from ds_plugin.quant import dispatch, fused
 from ds_plugin.quant.blockwise import QuantizedBlocks, dequantize_blockwise, quantize_blockwise
+
+from ds_plugin.kernels import quant_triton
+from ds_plugin.quant.comm import dispatch, fused
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

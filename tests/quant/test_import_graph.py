@@ -61,12 +61,12 @@ def _graph() -> dict[str, set[str]]:
 
 def test_format_is_the_bottom_and_kernels_import_only_it():
     graph = _graph()
-    assert graph["ds_plugin.quant.format"] == set()
+    assert graph["ds_plugin.quant.comm.format"] == set()
     for name, deps in graph.items():
         if name.startswith("ds_plugin.kernels."):
-            assert deps <= {"ds_plugin.quant.format"}, (name, deps)
+            assert deps <= {"ds_plugin.quant.comm.format"}, (name, deps)
     # The torch backend sits on the format only; it never reaches for the dispatch or the flat API.
-    assert graph["ds_plugin.quant.fused"] == {"ds_plugin.quant.format"}
+    assert graph["ds_plugin.quant.comm.fused"] == {"ds_plugin.quant.comm.format"}
 
 
 def test_no_import_cycles():
@@ -97,7 +97,7 @@ def test_importing_the_kernels_loads_only_the_format():
         "import sys\n"
         "import ds_plugin.kernels.quant_triton\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('ds_plugin.quant'))\n"
-        "assert loaded == ['ds_plugin.quant', 'ds_plugin.quant.format'], loaded\n"
+        "assert loaded == ['ds_plugin.quant', 'ds_plugin.quant.comm.format'], loaded\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

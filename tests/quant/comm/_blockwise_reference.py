@@ -1,7 +1,7 @@
 """Symmetric blockwise INT8 / INT4 quantization of whole tensors: the flat API of the qwZ / qgZ format.
 
 The format (blocks, scales, rounding, special blocks, INT4 packing) and its reference maths are defined in
-:mod:`ds_plugin.quant.format`; read its docstring for the exact rules. Here a tensor is flattened into one run of
+:mod:`ds_plugin.quant.comm.format`; read its docstring for the exact rules. Here a tensor is flattened into one run of
 blocks of ``block_size`` elements (the last block may be shorter), and quantization adds one check:
 
 * holding inf or nan: with ``check_finite=True`` (the default) quantization raises :class:`ValueError`. With
@@ -12,7 +12,7 @@ blocks of ``block_size`` elements (the last block may be shorter), and quantizat
 So every element comes back within ``scale / 2`` (plus fp32/output-dtype rounding). bf16 works as an input dtype
 here, unlike DeepSpeed's fp16-only kernel.
 
-Which backend runs is decided by :func:`ds_plugin.quant.dispatch.triton_kernels`, the same rule the ZeRO++ row
+Which backend runs is decided by :func:`ds_plugin.quant.comm.dispatch.triton_kernels`, the same rule the ZeRO++ row
 steps use: the Triton kernels for a CUDA tensor with triton importable, or any tensor when ``TRITON_INTERPRET=1``
 is set (the CPU interpreter, for tests); the plain-torch reference otherwise. ``triton`` is imported lazily, so
 this module imports without it.
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ds_plugin.quant.dispatch import Backend, triton_kernels
-from ds_plugin.quant.format import (
+from ds_plugin.quant.comm.dispatch import Backend, triton_kernels
+from ds_plugin.quant.comm.format import (
     DEFAULT_BLOCK_SIZE,
     FLOAT_DTYPES,
     SCALE_DTYPES,

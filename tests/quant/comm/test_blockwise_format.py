@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from ds_plugin.quant.blockwise import (
     QuantizedBlocks,
     dequantize_blockwise,
@@ -24,6 +21,8 @@ from ds_plugin.quant.blockwise import (
     quantized_nbytes,
     unpack_int4,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 QMAX = {8: 127, 4: 7}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
