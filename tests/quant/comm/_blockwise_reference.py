@@ -1,21 +1,11 @@
-"""Symmetric blockwise INT8 / INT4 quantization of whole tensors: the flat API of the qwZ / qgZ format.
+"""A whole-tensor API over the blockwise format's reference, for tests: what `ds_plugin.quant.blockwise` was.
 
-The format (blocks, scales, rounding, special blocks, INT4 packing) and its reference maths are defined in
-:mod:`ds_plugin.quant.comm.format`; read its docstring for the exact rules. Here a tensor is flattened into one run of
-blocks of ``block_size`` elements (the last block may be shorter), and quantization adds one check:
-
-* holding inf or nan: with ``check_finite=True`` (the default) quantization raises :class:`ValueError`. With
-  ``check_finite=False`` (the gradient path, qgZ) such a block gets a **nan scale** and all-zero codes, so every
-  element of it dequantizes to nan: an fp16 overflow survives the quantized reduce-scatter and the loss scaler
-  still sees it. Inf becomes nan on the way; only "non-finite" is preserved, not the sign or kind.
-
-So every element comes back within ``scale / 2`` (plus fp32/output-dtype rounding). bf16 works as an input dtype
-here, unlike DeepSpeed's fp16-only kernel.
-
-Which backend runs is decided by :func:`ds_plugin.quant.comm.dispatch.triton_kernels`, the same rule the ZeRO++ row
-steps use: the Triton kernels for a CUDA tensor with triton importable, or any tensor when ``TRITON_INTERPRET=1``
-is set (the CPU interpreter, for tests); the plain-torch reference otherwise. ``triton`` is imported lazily, so
-this module imports without it.
+The library quantizes bucket rows (:mod:`ds_plugin.quant.comm.dispatch`); nothing in it quantizes a whole tensor of
+any shape, so this flat form lives with the tests that pin the format down through it. It is a thin shell over
+:func:`ds_plugin.quant.comm.format.quantize_reference` / :func:`~ds_plugin.quant.comm.format.dequantize_reference`
+(torch only) that adds what a caller of the format must check: argument dtypes and sizes, the original shape, and
+an inf/nan check. With ``check_finite=False`` (the gradient path, qgZ) a block holding inf or nan gets a **nan
+scale** and all-zero codes, so every element of it dequantizes to nan.
 """
 
 from __future__ import annotations
@@ -26,34 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ds_plugin.quant.comm.dispatch import Backend, triton_kernels
 from ds_plugin.quant.comm.format import (
     DEFAULT_BLOCK_SIZE,
     FLOAT_DTYPES,
     SCALE_DTYPES,
     check_format,
     dequantize_reference,
-    max_finite_scale,
-    pack_int4,
     quantize_reference,
-    quantized_nbytes,
-    unpack_int4,
 )
-
-__all__ = [
-    "DEFAULT_BLOCK_SIZE",
-    "QuantizedBlocks",
-    "dequantize_blockwise",
-    "dequantize_int4_blockwise",
-    "dequantize_int8_blockwise",
-    "max_finite_scale",
-    "pack_int4",
-    "quantize_blockwise",
-    "quantize_int4_blockwise",
-    "quantize_int8_blockwise",
-    "quantized_nbytes",
-    "unpack_int4",
-]
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,13 +56,9 @@ class QuantizedBlocks:
         """Bytes held by codes plus scales (what a collective moves)."""
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
-    def dequantize(self, *, backend: Backend = "auto") -> Tensor:
-        """Rebuild the tensor in its original shape and dtype.
-
-        Args:
-            backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
-        """
-        return dequantize_blockwise(self, backend=backend)
+    def dequantize(self) -> Tensor:
+        """Rebuild the tensor in its original shape and dtype."""
+        return dequantize_blockwise(self)
 
 
 def quantize_blockwise(
@@ -101,34 +67,23 @@ def quantize_blockwise(
     block_size: int = DEFAULT_BLOCK_SIZE,
     *,
     check_finite: bool = True,
-    backend: Backend = "auto",
     scale_dtype: torch.dtype = torch.float32,
 ) -> QuantizedBlocks:
-    """Quantize ``x`` blockwise to symmetric INT8 or INT4 (see the module docstring for the exact rules).
+    """Quantize ``x`` (any shape, flattened into one run of blocks) with the format's reference.
 
     Args:
         x: fp32, bf16 or fp16 tensor of any shape (0-d and empty included).
-        bits: 8 (codes in [-127, 127], one per byte) or 4 (codes in [-7, 7], two per byte).
-        block_size: elements sharing one scale; must be even for 4 bits so that no byte straddles two blocks.
-        check_finite: raise :class:`ValueError` if ``x`` holds inf/nan. When False, such blocks get a nan scale
-            and dequantize to nan (used by the gradient path so overflows propagate). The check reads the scales
-            back to the host, a device sync on GPU.
-        backend: ``"auto"`` picks Triton where it runs (CUDA, or ``TRITON_INTERPRET=1``) and torch otherwise;
-            ``"torch"`` / ``"triton"`` force one (forcing Triton where it cannot run raises ``RuntimeError``).
-        scale_dtype: fp32 (default) or bf16. bf16 scales halve the scale bytes, which matters for small blocks;
-            each scale is rounded *up* to a bf16 value before the codes are computed, so codes never clip and
-            the step grows by at most 2**-7.
+        bits: 8 or 4.
+        block_size: elements sharing one scale; even for 4 bits.
+        check_finite: raise ``ValueError`` if ``x`` holds inf/nan; when False, such blocks get a nan scale.
+        scale_dtype: fp32 or bf16 (rounded up) scales.
     """
     check_format(bits, block_size)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"blockwise quantization takes fp32, bf16 or fp16 tensors, got {x.dtype}")
     if scale_dtype not in SCALE_DTYPES:
         raise TypeError(f"scale_dtype must be torch.float32 or torch.bfloat16, got {scale_dtype}")
-    kernels = triton_kernels(x, backend)
-    if kernels is not None:
-        data, scales = kernels.quantize_blockwise_triton(x, block_size, bits, scale_dtype)
-    else:
-        data, scales = quantize_reference(x, bits, block_size, scale_dtype)
+    data, scales = quantize_reference(x, bits, block_size, scale_dtype)
     if check_finite:
         bad = int(torch.isnan(scales).sum())
         if bad:
@@ -139,116 +94,43 @@ def quantize_blockwise(
     return QuantizedBlocks(data, scales, block_size, x.shape, x.dtype, bits)
 
 
-def dequantize_blockwise(qb: QuantizedBlocks, *, backend: Backend = "auto") -> Tensor:
-    """Rebuild a tensor from :class:`QuantizedBlocks`, in its original shape and dtype.
-
-    Args:
-        qb: the quantized tensor.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
-    """
-    return _dequantize(qb.data, qb.scales, qb.block_size, qb.shape, qb.dtype, qb.bits, backend)
+def dequantize_blockwise(qb: QuantizedBlocks) -> Tensor:
+    """Rebuild a tensor from :class:`QuantizedBlocks`, in its original shape and dtype."""
+    return _dequantize(qb.data, qb.scales, qb.block_size, qb.shape, qb.dtype, qb.bits)
 
 
 def quantize_int8_blockwise(
-    x: Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    *,
-    check_finite: bool = True,
-    backend: Backend = "auto",
-    scale_dtype: torch.dtype = torch.float32,
+    x: Tensor, block_size: int = DEFAULT_BLOCK_SIZE, *, check_finite: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """Symmetric INT8 blockwise quantization; returns ``(codes, scales)``.
-
-    ``codes`` is int8 of shape ``(x.numel(),)`` in [-127, 127]; ``scales`` is fp32 of shape
-    ``(ceil(x.numel() / block_size),)``.
-
-    Args:
-        x: fp32, bf16 or fp16 tensor of any shape.
-        block_size: elements sharing one scale.
-        check_finite: raise ``ValueError`` on inf/nan (default); when False, non-finite blocks get a nan scale.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
-        scale_dtype: fp32 or bf16 scales (see :func:`quantize_blockwise`).
-    """
-    qb = quantize_blockwise(x, 8, block_size, check_finite=check_finite, backend=backend, scale_dtype=scale_dtype)
+    """INT8 :func:`quantize_blockwise` as ``(codes, scales)``: int8 ``(numel,)``, fp32 ``(ceil(numel / block),)``."""
+    qb = quantize_blockwise(x, 8, block_size, check_finite=check_finite)
     return qb.data, qb.scales
 
 
 def dequantize_int8_blockwise(
-    q: Tensor,
-    scales: Tensor,
-    block_size: int,
-    shape: torch.Size | tuple[int, ...],
-    dtype: torch.dtype = torch.float32,
-    *,
-    backend: Backend = "auto",
+    q: Tensor, scales: Tensor, block_size: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """Inverse of :func:`quantize_int8_blockwise`: ``(q * scale).to(dtype)`` reshaped to ``shape``.
-
-    Args:
-        q: int8 codes of shape ``(numel,)``.
-        scales: fp32 or bf16 per-block scales.
-        block_size: the block size used to quantize.
-        shape: shape of the result; its element count must match ``q``.
-        dtype: fp32, bf16 or fp16 result dtype.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
-    """
-    return _dequantize(q, scales, block_size, torch.Size(shape), dtype, 8, backend)
+    """Inverse of :func:`quantize_int8_blockwise`, reshaped to ``shape``."""
+    return _dequantize(q, scales, block_size, torch.Size(shape), dtype, 8)
 
 
 def quantize_int4_blockwise(
-    x: Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    *,
-    check_finite: bool = True,
-    backend: Backend = "auto",
-    scale_dtype: torch.dtype = torch.float32,
+    x: Tensor, block_size: int = DEFAULT_BLOCK_SIZE, *, check_finite: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """Symmetric INT4 blockwise quantization; returns ``(packed, scales)``.
-
-    ``packed`` is uint8 of shape ``(ceil(x.numel() / 2),)`` holding codes in [-7, 7] (layout: :func:`pack_int4`);
-    ``scales`` is fp32 of shape ``(ceil(x.numel() / block_size),)``.
-
-    Args:
-        x: fp32, bf16 or fp16 tensor of any shape.
-        block_size: elements sharing one scale; must be even.
-        check_finite: raise ``ValueError`` on inf/nan (default); when False, non-finite blocks get a nan scale.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
-        scale_dtype: fp32 or bf16 scales (see :func:`quantize_blockwise`).
-    """
-    qb = quantize_blockwise(x, 4, block_size, check_finite=check_finite, backend=backend, scale_dtype=scale_dtype)
+    """INT4 :func:`quantize_blockwise` as ``(packed, scales)``: uint8 ``(ceil(numel / 2),)``, fp32 scales."""
+    qb = quantize_blockwise(x, 4, block_size, check_finite=check_finite)
     return qb.data, qb.scales
 
 
 def dequantize_int4_blockwise(
-    packed: Tensor,
-    scales: Tensor,
-    block_size: int,
-    shape: torch.Size | tuple[int, ...],
-    dtype: torch.dtype = torch.float32,
-    *,
-    backend: Backend = "auto",
+    packed: Tensor, scales: Tensor, block_size: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """Inverse of :func:`quantize_int4_blockwise`: unpack, ``(q * scale).to(dtype)``, reshape to ``shape``.
-
-    Args:
-        packed: uint8 packed codes of shape ``(ceil(numel / 2),)``.
-        scales: fp32 or bf16 per-block scales.
-        block_size: the block size used to quantize.
-        shape: shape of the result.
-        dtype: fp32, bf16 or fp16 result dtype.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`quantize_blockwise`).
-    """
-    return _dequantize(packed, scales, block_size, torch.Size(shape), dtype, 4, backend)
+    """Inverse of :func:`quantize_int4_blockwise`, reshaped to ``shape``."""
+    return _dequantize(packed, scales, block_size, torch.Size(shape), dtype, 4)
 
 
 def _dequantize(
-    data: Tensor,
-    scales: Tensor,
-    block_size: int,
-    shape: torch.Size,
-    dtype: torch.dtype,
-    bits: int,
-    backend: Backend,
+    data: Tensor, scales: Tensor, block_size: int, shape: torch.Size, dtype: torch.dtype, bits: int
 ) -> Tensor:
     check_format(bits, block_size)
     if dtype not in FLOAT_DTYPES:
@@ -265,9 +147,4 @@ def _dequantize(
             f"expected {-(-numel // block_size)} fp32 or bf16 scales for {numel} elements in blocks of {block_size}, "
             f"got {scales.numel()} of {scales.dtype}"
         )
-    kernels = triton_kernels(data, backend)
-    if kernels is not None:
-        flat = kernels.dequantize_blockwise_triton(data, scales, block_size, numel, bits, dtype)
-    else:
-        flat = dequantize_reference(data, scales, block_size, numel, bits, dtype)
-    return flat.reshape(shape)
+    return dequantize_reference(data, scales, block_size, numel, bits, dtype).reshape(shape)

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 import torch
-from ds_plugin.quant.comm.format import dequantize_reference, quantize_reference
 
 from ds_plugin.quant.comm import fused
+from ds_plugin.quant.comm.format import dequantize_reference, quantize_reference
 
 # (rows, numel, block): whole blocks, a ragged last block, a block larger than the row, odd INT4 counts.
 SHAPES = [(3, 1000, 64), (2, 4097, 4096), (1, 10, 4), (4, 130, 64), (2, 7, 8)]
