@@ -82,7 +82,7 @@ def _rss_mb() -> float:
 
 
 def _frozen_linears(model: nn.Module) -> list[nn.Linear]:
-    from ds_plugin.quant.frozen import is_output_head
+    from ds_plugin.quant.frozen.quantize import is_output_head
 
     return [
         m
@@ -101,7 +101,7 @@ class _GatherCounter:
     """
 
     def __init__(self, model: nn.Module, world: int) -> None:
-        from ds_plugin.quant.frozen_weight import QuantizedWeight
+        from ds_plugin.quant.frozen.tensor import QuantizedWeight
 
         self.bytes = 0
         frozen = {id(m) for m in _frozen_linears(model)}
@@ -150,7 +150,7 @@ def _quant_state_tensors(state: Any) -> list[torch.Tensor]:
 
 def zero_worker(rank: int, world: int, *, fmt: str, config: dict[str, Any], seq: int, batch: int, steps: int) -> dict:
     import ds_plugin
-    from ds_plugin.quant.frozen import frozen_storage_stats
+    from ds_plugin.quant.frozen.quantize import frozen_storage_stats
 
     baseline = _rss_mb()
     model = _build(config)

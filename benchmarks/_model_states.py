@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ds_plugin.quant.frozen_weight import QuantizedWeight
+from ds_plugin.quant.frozen.tensor import QuantizedWeight
 
 __all__ = [
     "CATEGORIES",

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     }
     info["host_memory_reuse_rank0"] = host_memory_reuse_state()
     if stats is not None:  # ds_plugin's ZeRO++: say whether its quantizers ran compiled or eager
-        from ds_plugin.quant.fused import compile_report
+        from ds_plugin.quant.comm.fused import compile_report
 
         info["quantizer_rank0"] = compile_report()
     everyone: list[Any] = [None] * world

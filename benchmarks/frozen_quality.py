@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ds_plugin.quant.weight_formats import DEFAULT_GROUP_SIZE, dequantize_weight, quantize_weight
+from ds_plugin.quant.frozen.codecs import DEFAULT_GROUP_SIZE, dequantize_weight, quantize_weight
 
 ROOT = Path(__file__).resolve().parent
 TEXT = ROOT / "data" / "devils_dictionary.txt"
@@ -187,7 +187,7 @@ def apply_format(model: LlamaForCausalLM, fmt: str, group_size: int | None, meth
 
     Args:
         model: the causal LM, in the dtype the weights should come back in.
-        fmt: a :mod:`ds_plugin.quant.weight_formats` format, ``"bf16"`` (no change) or ``"bnb-nf4"``.
+        fmt: a :mod:`ds_plugin.quant.frozen.codecs` format, ``"bf16"`` (no change) or ``"bnb-nf4"``.
         group_size: elements per group (``None``: the format's default).
         method: the format's method.
     """

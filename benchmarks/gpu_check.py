@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from ds_plugin.quant import dispatch
-from ds_plugin.quant.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
-from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
+from ds_plugin.quant.comm import dispatch
+from ds_plugin.quant.frozen.codecs import dequantize_weight, quantize_weight
+from ds_plugin.quant.frozen.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
 
 
 def _median_ms(fn, repeats: int = 20) -> float:

@@ -164,7 +164,7 @@ def _shape_rows(
     peak: float | None,
     backward_m: int,
 ) -> list[dict[str, Any]]:
-    from ds_plugin.quant.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
+    from ds_plugin.quant.frozen.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
 
     w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16)
     stored = {fmt: parts_list(fmt, _random_parts(fmt, n, k, device, gen)) for fmt in formats}

@@ -44,11 +44,11 @@ def __getattr__(name: str):
 
         return init_distributed
     if name == "save_adapter":
-        from ds_plugin.adapters import save_adapter
+        from ds_plugin.peft_adapters import save_adapter
 
         return save_adapter
     if name == "quantize_frozen_":
-        from ds_plugin.quant.frozen import quantize_frozen_
+        from ds_plugin.quant.frozen.quantize import quantize_frozen_
 
         return quantize_frozen_
     if name == "strategies":  # `ds_plugin.strategies.ZeroStrategy(...)` after a bare `import ds_plugin`

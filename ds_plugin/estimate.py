@@ -7,7 +7,7 @@ stage 3 also the weights. Activations, buffers and fragmentation are not model s
 For LoRA, the frozen base weights carry no gradient and no optimizer state: they cost only their storage
 bytes, while the adapters follow the formulas. As ds_plugin stores them: the decoder layers' frozen
 ``nn.Linear`` weights in the frozen format (bf16, or INT8 / INT4 / NF4 codes and scales, exactly as
-``ds_plugin.quant.weight_formats.weight_nbytes`` counts them), every other frozen parameter (embeddings, norms,
+``ds_plugin.quant.frozen.codecs.weight_nbytes`` counts them), every other frozen parameter (embeddings, norms,
 biases, the output head) in bf16; whole on every rank at stages 0-1, sharded across ranks at stages 2-3 (FSDP2
 shards every parameter, frozen ones included; DeepSpeed's stage 2 would keep them whole).
 """
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 # Frozen-weight storage formats the estimate knows. int8/int4/nf4/fp6 are ds_plugin's group-wise formats
-# (`ds_plugin.quant.weight_formats`).
+# (`ds_plugin.quant.frozen.codecs`).
 QUANTIZED_FORMATS = ("int8", "int4", "nf4", "fp6")
 FROZEN_FORMATS = ("fp32", "bf16", "fp16", *QUANTIZED_FORMATS)
-# ds_plugin.quant.weight_formats.DEFAULT_GROUP_SIZE, repeated so the estimate needs no torch import for it
+# ds_plugin.quant.frozen.codecs.DEFAULT_GROUP_SIZE, repeated so the estimate needs no torch import for it
 # (tests/test_estimate.py checks that the two agree).
 DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 64, "nf4": 64, "fp6": 128}
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
@@ -207,7 +207,7 @@ def _weight_bytes(lin: LinearShape, fmt: str, group_size: int | None) -> int:
     if fmt not in QUANTIZED_FORMATS:
         return math.ceil(frozen_bytes_per_element(fmt) * numel)
     # The quantized layouts live with the formats; imported here so the plain estimate needs no torch.
-    from ds_plugin.quant.weight_formats import weight_nbytes
+    from ds_plugin.quant.frozen.codecs import weight_nbytes
 
     # quantize_frozen_'s rule: the default group is capped at the row width.
     g = group_size or min(DEFAULT_GROUP_SIZE[fmt], lin.in_features)

@@ -71,7 +71,7 @@ def _clear_old_weights(out: Path) -> None:
 def _dequantize(state: dict[str, torch.Tensor], quantized: dict[str, Any], ckpt_dir: Any) -> dict[str, torch.Tensor]:
     # A frozen weight stored as INT8/INT4/NF4 was checkpointed as its components (`<name>.codes`, ...): write the
     # weight they encode, so `from_pretrained` loads a plain model (quantize it again with `quantize_frozen_`).
-    from ds_plugin.quant.weight_formats import dequantize_weight
+    from ds_plugin.quant.frozen.codecs import dequantize_weight
 
     for name, spec in quantized.items():
         prefix = f"{name}."

@@ -127,8 +127,8 @@ def test_lora_estimate_matches_the_committed_lora_memory_run(tmp_path, capsys):
 
 
 def test_frozen_linear_bytes_are_the_formats_exact_bytes():
-    from ds_plugin.quant.weight_formats import DEFAULT_GROUP_SIZE as FORMAT_GROUPS
-    from ds_plugin.quant.weight_formats import weight_nbytes
+    from ds_plugin.quant.frozen.codecs import DEFAULT_GROUP_SIZE as FORMAT_GROUPS
+    from ds_plugin.quant.frozen.codecs import weight_nbytes
 
     assert DEFAULT_GROUP_SIZE == FORMAT_GROUPS
     cfg = {

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ds_plugin.accelerate.optimizer import ZeroAcceleratedOptimizer
-from ds_plugin.adapters import full_state_dict
+from ds_plugin.peft_adapters import full_state_dict
 from ds_plugin.strategies._checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from ds_plugin.zero.checkpoint import MARKER, CheckpointError
 from ds_plugin.zero.engine import ZeroEngine

@@ -152,7 +152,7 @@ def _is_peft(model: Any) -> bool:
 
 def _hook_trainer(module: ModuleType) -> None:
     from ds_plugin.accelerate.accelerator import Accelerator
-    from ds_plugin.adapters import full_state_dict
+    from ds_plugin.peft_adapters import full_state_dict
 
     if "Accelerator" in module.__dict__:
         module.Accelerator = Accelerator  # bound before the bootstrap ran

@@ -3,7 +3,7 @@
 :func:`dequantize_reference` rebuilds the weight exactly as the kernels' per-element path does (decode the 32-bit
 code words into 16-bit float patterns, subtract the offset and multiply by the scale in fp32, round once), on whole
 tensors; :func:`linear_reference` and :func:`linear_backward_reference` are the two GEMMs on that weight. The tests
-hold the kernels to these, and these to the format's own ``weight_formats.dequantize_weight``, bit for bit: two
+hold the kernels to these, and these to the format's own ``codecs.dequantize_weight``, bit for bit: two
 independent readings of the layouts that must agree.
 """
 
@@ -60,7 +60,7 @@ def dequantize_reference(
     fmt: str, codes: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int, k: int, dtype: torch.dtype
 ) -> Tensor:
     """The ``(N, K)`` weight exactly as the kernels' per-element path builds it: ``((raw - offset) * scale)`` in
-    fp32, rounded once to ``dtype`` (equal, bit for bit, to ``weight_formats.dequantize_weight``).
+    fp32, rounded once to ``dtype`` (equal, bit for bit, to ``codecs.dequantize_weight``).
 
     Args:
         fmt: "int8", "int4" or "fp6".

@@ -1,12 +1,12 @@
 """Triton GEMMs on frozen weights stored as fp6 / int4 / int8 codes, the dequantization fused into the GEMM.
 
 ``linear_forward``: ``y = x @ dequant(W).T (+ b)``; ``linear_backward``: ``dx = dy @ dequant(W)``; bf16 or fp16
-activations, fp32 accumulation, weights as the components of :mod:`ds_plugin.quant.weight_formats` (any row
+activations, fp32 accumulation, weights as the components of :mod:`ds_plugin.quant.frozen.codecs` (any row
 stride), and no dequantized copy of W in memory. Their plain-torch references, by the same bit operations, sit
 beside them in :mod:`ds_plugin.kernels.quant_linear_reference`. This module imports nothing from ds_plugin.quant
 (the layering of ``tests/quant/test_import_graph.py``), so it restates the layouts it reads: int8 ``codes``
 (N, K); int4 ``codes`` (N, K/2), element ``2i`` in the high nibble, uint8 ``zeros`` in 1/16 steps; fp6 ``codes``
-(N, 3K/4), a nibble plane then a (sign, e2) plane per row, bits as :mod:`ds_plugin.quant.fp6` places them.
+(N, 3K/4), a nibble plane then a (sign, e2) plane per row, bits as :mod:`ds_plugin.quant.frozen.fp6` places them.
 
 Decoding is sized to the ALU budget of a memory-bound GEMV (on an H100, ~6 instructions per fp6 weight at 2.2x over
 bf16): codes are read as 32-bit words and become 16-bit float patterns two per 32-bit operation, exactly.
@@ -27,7 +27,7 @@ contraction is asked for explicitly (Triton 3.9 warns when unset); it can only f
 
 M <= 16 runs 16-row tiles over wide N, with optional split-K (fp32 atomics); larger M runs tensor-core tiles in
 grouped order for L2 reuse. :func:`forward_configs` / :func:`backward_configs` list a few tilings per shape class
-(on a GPU :mod:`ds_plugin.quant.linear_op` times them once per shape); the interpreter runs one small config.
+(on a GPU :mod:`ds_plugin.quant.frozen.linear_op` times them once per shape); the interpreter runs one small config.
 Kernels and their helpers are jitted on first use per mode, so a test can flip ``TRITON_INTERPRET`` in one process.
 """
 

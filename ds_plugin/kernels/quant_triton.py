@@ -1,7 +1,7 @@
 """Triton kernels for the blockwise INT8 / INT4 format (qwZ weights, qgZ gradients): the CUDA backend.
 
-The format, its constants and its plain-torch reference live in :mod:`ds_plugin.quant.format`, the only module of
-``ds_plugin.quant`` imported here; :mod:`ds_plugin.quant.dispatch` picks these kernels for CUDA tensors (or any
+The format, its constants and its plain-torch reference live in :mod:`ds_plugin.quant.comm.format`, the only module of
+``ds_plugin.quant`` imported here; :mod:`ds_plugin.quant.comm.dispatch` picks these kernels for CUDA tensors (or any
 tensor under ``TRITON_INTERPRET=1``) and imports this module lazily. The kernels reproduce the reference bit for bit
 (codes and scales), so the rules are written to leave the compiler no freedom:
 
@@ -15,7 +15,7 @@ tensor under ``TRITON_INTERPRET=1``) and imports this module lazily. The kernels
   interpreter casts fp32 to bf16 by truncation; the bits are what the reference's ``round_up_to_bf16`` produces.
 
 Both kernels work on rows: each row of ``(..., row_len)`` is cut into blocks of its own (zero-padded at its end,
-never straddling two rows), which is the layout :mod:`ds_plugin.quant.fused` uses for the ZeRO++ collectives; a
+never straddling two rows), which is the layout :mod:`ds_plugin.quant.comm.fused` uses for the ZeRO++ collectives; a
 flat tensor is one row. Leading dims are addressed through up to two strides, so the transposed views qwZ and qgZ
 pass are read and written in place. Each program handles ``ROWS`` consecutive blocks as a ``[ROWS, WIDTH]`` tile
 (``WIDTH`` the block size rounded up to a power of two), so small blocks still give every program a few thousand
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ds_plugin.quant.format import FLOAT_DTYPES, FP32_MAX, QMAX, SCALE_DTYPES, check_format, scale_cap
+from ds_plugin.quant.comm.format import FLOAT_DTYPES, FP32_MAX, QMAX, SCALE_DTYPES, check_format, scale_cap
 
 __all__ = [
     "dequantize_blockwise_triton",
@@ -271,7 +271,7 @@ def _quantize(
 def quantize_blockwise_triton(
     x: Tensor, block_size: int, bits: int, scale_dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor]:
-    """Quantize ``x`` as one flat run of blocks; the contract of the reference in :mod:`ds_plugin.quant.format`.
+    """Quantize ``x`` as one flat run of blocks; the contract of the reference in :mod:`ds_plugin.quant.comm.format`.
 
     Args:
         x: fp32, bf16 or fp16 tensor on a CUDA device (or any device under ``TRITON_INTERPRET=1``).
@@ -296,7 +296,7 @@ def quantize_blockwise_triton(
 def quantize_rows_triton(rows: Tensor, block: int, bits: int) -> tuple[Tensor, Tensor]:
     """Quantize each row (last dim) of ``rows`` into blocks of its own, with bf16 scales rounded up.
 
-    The contract of :func:`ds_plugin.quant.fused.quantize_rows`, bit for bit.
+    The contract of :func:`ds_plugin.quant.comm.fused.quantize_rows`, bit for bit.
 
     Args:
         rows: ``(..., numel)`` fp32, bf16 or fp16, on a CUDA device (or any under ``TRITON_INTERPRET=1``); any
@@ -362,7 +362,7 @@ def dequantize_blockwise_triton(
 def dequantize_rows_into_triton(out: Tensor, codes: Tensor, scales: Tensor, block: int) -> None:
     """Write ``codes * scale`` (INT8 rows from :func:`quantize_rows_triton`) into ``out``, in ``out``'s dtype.
 
-    The contract of :func:`ds_plugin.quant.fused.dequantize_rows_into`, bit for bit (the interpreter excepted: it
+    The contract of :func:`ds_plugin.quant.comm.fused.dequantize_rows_into`, bit for bit (the interpreter excepted: it
     casts fp32 to bf16 by truncation, where compiled kernels and torch round to nearest even).
 
     Args:

@@ -1,54 +1,26 @@
-"""Quantized formats: blockwise symmetric INT8/INT4 (qwZ weight all-gather, qgZ gradient reduction).
+"""Quantization, in two homes that share no state:
 
-Layers, bottom up: :mod:`~ds_plugin.quant.format` (constants and reference maths; imports only torch), the two
-backends :mod:`~ds_plugin.quant.fused` (torch, eager or compiled) and :mod:`ds_plugin.kernels.quant_triton`
-(Triton), :mod:`~ds_plugin.quant.dispatch` (picks one; the ZeRO++ row steps) and :mod:`~ds_plugin.quant.blockwise`
-(the flat API, re-exported here).
+* :mod:`ds_plugin.quant.comm`: the blockwise INT8 / INT4 format that ZeRO++'s quantized collectives put on the wire
+  (qwZ weight all-gather, qgZ gradient reduce-scatter): the format and its reference maths, the torch backend of
+  the row steps and the dispatch between it and the Triton kernels.
+* :mod:`ds_plugin.quant.frozen`: frozen Linear weights *stored* as INT8 / INT4 / NF4 / FP6 (LoRA / QLoRA bases): the
+  per-format codecs, the ``QuantizedWeight`` tensor subclass, its Linear custom op and the ``quantize_frozen_`` verb.
 
-The re-exports load :mod:`~ds_plugin.quant.blockwise` on first use rather than on import, so that importing the
-bottom module (as the Triton kernels do) does not pull the dispatch layer in above it.
+The frozen INT8 codec (and INT4's absmax method) reuse the comm format's block rule, scales rounded up to bf16 so
+that no code clips, by importing :mod:`ds_plugin.quant.comm.format`; nothing in ``comm`` imports ``frozen``.
+
+Both homes pick Triton kernels by one switch, :func:`interpreter_requested`, defined here so that neither imports
+the other's dispatch for it.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import os
 
-if TYPE_CHECKING:
-    from ds_plugin.quant.blockwise import (
-        DEFAULT_BLOCK_SIZE,
-        QuantizedBlocks,
-        dequantize_blockwise,
-        dequantize_int4_blockwise,
-        dequantize_int8_blockwise,
-        pack_int4,
-        quantize_blockwise,
-        quantize_int4_blockwise,
-        quantize_int8_blockwise,
-        quantized_nbytes,
-        unpack_int4,
-    )
-
-__all__ = [
-    "DEFAULT_BLOCK_SIZE",
-    "QuantizedBlocks",
-    "dequantize_blockwise",
-    "dequantize_int4_blockwise",
-    "dequantize_int8_blockwise",
-    "pack_int4",
-    "quantize_blockwise",
-    "quantize_int4_blockwise",
-    "quantize_int8_blockwise",
-    "quantized_nbytes",
-    "unpack_int4",
-]
+__all__ = ["interpreter_requested"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("ds_plugin.quant.blockwise"), name)
-    raise AttributeError(f"module 'ds_plugin.quant' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+def interpreter_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter, read without importing triton."""
+    # Same spelling triton accepts for its boolean environment knobs.
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")

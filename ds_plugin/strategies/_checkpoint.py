@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 # The unsharded gather lives in the core, beside `save_adapter`; the strategies' `full_state_dict` calls it here.
-from ds_plugin.adapters import full_state_dict
+from ds_plugin.peft_adapters import full_state_dict
 from ds_plugin.strategies._model import hf_models
 from ds_plugin.zero.checkpoint import CheckpointError, load_checkpoint, model_metadata, read_checkpoint_info
 from ds_plugin.zero.checkpoint import save_checkpoint as save_dcp

@@ -496,7 +496,7 @@ def model_metadata(model: torch.nn.Module) -> dict[str, Any]:
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "tied_weights": [group for group in names.values() if len(group) > 1],
     }
-    from ds_plugin.quant.frozen import quantized_weights
+    from ds_plugin.quant.frozen.quantize import quantized_weights
 
     # A frozen weight stored quantized is saved as its components; export turns them back into the weight.
     quantized = {

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ds_plugin.config import FP16Config, TrainingConfig
 from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
-from ds_plugin.quant.frozen import load_quantized_parts, quantized_parts_state, quantized_weights
+from ds_plugin.quant.frozen.quantize import load_quantized_parts, quantized_parts_state, quantized_weights
 from ds_plugin.zero.apply import is_zero_applied, plan_for
 from ds_plugin.zero.comms_logger import CommsLogger
 from ds_plugin.zero.faults import peer_failure_guard

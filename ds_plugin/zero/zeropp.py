@@ -21,9 +21,9 @@ yet run on a GPU).
 Non-float buckets (FSDP2 gathers mixed-dtype parameters as raw bytes) and reduction ops other than SUM/AVG
 take the plain collective; each such fallback is counted in `ZeroPPStats` so the comms logger can report it.
 
-The quantize / dequantize steps come from `ds_plugin.quant.dispatch`: the blockwise format (`quant/format.py`)
-in Triton on CUDA, and in torch on CPU, compiled into one loop per step for large buckets (eager torch there
-would cost more than a slow link saves).
+The quantize / dequantize steps come from `ds_plugin.quant.comm.dispatch`: the blockwise format
+(`quant/comm/format.py`) in Triton on CUDA, and in torch on CPU, compiled into one loop per step for large buckets
+(eager torch there would cost more than a slow link saves).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ds_plugin.quant.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
+from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
 
 __all__ = [
     "QuantizedAllGather",

@@ -53,7 +53,7 @@ from tqdm import tqdm
 import ds_plugin
 from ds_plugin.accelerate import CONFIG_ENV, Accelerator, ZeroPlugin
 from ds_plugin.accelerate.accelerator import describe_plan
-from ds_plugin.adapters import full_state_dict
+from ds_plugin.peft_adapters import full_state_dict
 
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)

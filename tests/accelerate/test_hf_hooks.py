@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-import ds_plugin.adapters
+import ds_plugin.peft_adapters
 from ds_plugin.accelerate import hf
 
 
@@ -39,7 +39,9 @@ def test_save_model_gathers_on_every_rank_and_writes_on_the_saving_rank_only(ran
     # empty dict over rank 0's adapter (seen with transformers 5.17 and trl's DPOTrainer, 3 runs in 10).
     gathered = []
     full = {"lora_A.weight": "rank 0's tensor"} if rank == 0 else {}
-    monkeypatch.setattr(ds_plugin.adapters, "full_state_dict", lambda engine, **kw: gathered.append(engine) or full)
+    monkeypatch.setattr(
+        ds_plugin.peft_adapters, "full_state_dict", lambda engine, **kw: gathered.append(engine) or full
+    )
     module = types.ModuleType("stand_in_trainer")
     module.Trainer = type("Trainer", (_Trainer,), {})
     hf._hook_trainer(module)

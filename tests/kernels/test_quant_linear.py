@@ -20,8 +20,8 @@ import triton
 
 from ds_plugin.kernels import quant_linear_reference as ref
 from ds_plugin.kernels import quant_linear_triton as qlt
-from ds_plugin.quant import linear_op
-from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
+from ds_plugin.quant.frozen import linear_op
+from ds_plugin.quant.frozen.codecs import dequantize_weight, quantize_weight
 
 FORMATS = ["fp6", "int4", "int8"]
 DTYPES = [torch.bfloat16, torch.float16]

@@ -1,11 +1,10 @@
-"""Triton blockwise INT8/INT4 kernels against the plain-torch reference, bit for bit.
+"""Triton blockwise INT8/INT4 kernels against the plain-torch reference (`ds_plugin.quant.comm.format`), bit for bit.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET`` is read when ``triton.jit`` wraps a function,
 and ``ds_plugin.kernels.quant_triton`` wraps its kernels on first use per mode, so setting the variable with
 ``monkeypatch`` inside a test is enough (no subprocess). On a GPU the compiled kernels are compared as well.
 """
 
-import dataclasses
 import math
 
 import pytest
@@ -16,8 +15,8 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from ds_plugin.kernels import quant_triton
-from ds_plugin.quant import dispatch, fused
-from ds_plugin.quant.blockwise import QuantizedBlocks, dequantize_blockwise, quantize_blockwise
+from ds_plugin.quant.comm import dispatch, fused
+from ds_plugin.quant.comm.format import dequantize_reference, quantize_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -67,12 +66,16 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert mismatch.numel() == 0, f"{mismatch.numel()} of {actual.numel()} differ, first at {mismatch[:5].tolist()}"
 
 
-def assert_dequant_matches(triton_out: torch.Tensor, qb: QuantizedBlocks, *, interpreted: bool) -> None:
-    reference = dequantize_blockwise(qb, backend="torch")
-    if interpreted and qb.dtype == torch.bfloat16:
+def assert_dequant_matches(
+    triton_out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, block_size: int, bits: int, *, interpreted: bool
+) -> None:
+    """The Triton dequantization of ``(data, scales)`` equals the reference's (flat, in ``triton_out``'s dtype)."""
+    numel, dtype = triton_out.numel(), triton_out.dtype
+    reference = dequantize_reference(data, scales, block_size, numel, bits, dtype)
+    if interpreted and dtype == torch.bfloat16:
         # Triton's interpreter casts fp32 -> bf16 by truncation where compiled kernels (and torch) round to nearest
         # even; accept either, and hold the compiled kernels to exact equality in the GPU tests.
-        product = dequantize_blockwise(dataclasses.replace(qb, dtype=torch.float32), backend="torch").cpu()
+        product = dequantize_reference(data, scales, block_size, numel, bits, torch.float32).cpu()
         truncated = (product.view(torch.int32) >> 16).to(torch.int16)
         out, ref = triton_out.cpu(), reference.cpu()
         rounded_or_truncated = (out.view(torch.int16) == ref.view(torch.int16)) | (out.view(torch.int16) == truncated)
@@ -81,14 +84,17 @@ def assert_dequant_matches(triton_out: torch.Tensor, qb: QuantizedBlocks, *, int
     assert_same_bits(triton_out, reference)
 
 
-def check_against_reference(x: torch.Tensor, bits: int, block_size: int, *, interpreted: bool) -> None:
-    ref = quantize_blockwise(x, bits, block_size, check_finite=False, backend="torch")
-    got = quantize_blockwise(x, bits, block_size, check_finite=False, backend="triton")
-    assert_same_bits(got.data, ref.data)
-    assert_same_bits(got.scales, ref.scales)
-    out = dequantize_blockwise(got, backend="triton")
-    assert out.shape == x.shape and out.dtype == x.dtype
-    assert_dequant_matches(out, ref, interpreted=interpreted)
+def check_against_reference(
+    x: torch.Tensor, bits: int, block_size: int, *, interpreted: bool, scale_dtype: torch.dtype = torch.float32
+) -> None:
+    """The flat Triton quantize / dequantize of ``x`` (one run of blocks) against the format's reference."""
+    ref_data, ref_scales = quantize_reference(x, bits, block_size, scale_dtype)
+    data, scales = quant_triton.quantize_blockwise_triton(x, block_size, bits, scale_dtype)
+    assert_same_bits(data, ref_data)
+    assert_same_bits(scales, ref_scales)
+    out = quant_triton.dequantize_blockwise_triton(data, scales, block_size, x.numel(), bits, x.dtype)
+    assert out.shape == (x.numel(),) and out.dtype == x.dtype
+    assert_dequant_matches(out, ref_data, ref_scales, block_size, bits, interpreted=interpreted)
 
 
 CASES = [(1, 2), (7, 4), (9, 2), (300, 64), (1001, 100), (700, 128), (2 * 2048 + 7, 2048)]
@@ -126,10 +132,7 @@ def test_interpreted_int8_odd_block_sizes(interpreter, block_size):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_interpreted_kernels_handle_shapes(interpreter, bits):
     for shape in [(), (0,), (3, 0), (4, 5, 6)]:
-        x = torch.randn(shape, dtype=torch.bfloat16)
-        qb = quantize_blockwise(x, bits, 8)
-        assert qb.dequantize().shape == x.shape
-        check_against_reference(x, bits, 8, interpreted=True)
+        check_against_reference(torch.randn(shape, dtype=torch.bfloat16), bits, 8, interpreted=True)
     check_against_reference(torch.randn(30, 20).t(), bits, 16, interpreted=True)
 
 
@@ -156,11 +159,12 @@ def test_interpreted_kernels_match_reference_on_extremes(interpreter, bits):
     check_against_reference(bf16, bits, 4, interpreted=True)
 
 
-def test_interpreted_check_finite_raises(interpreter):
+def test_interpreted_nonfinite_block_gets_a_nan_scale(interpreter):
+    # The nan scale is what a caller's inf/nan check reads (tests/quant/comm/test_blockwise_format.py).
     x = torch.randn(64)
     x[3] = math.nan
-    with pytest.raises(ValueError, match="inf/nan"):
-        quantize_blockwise(x, 8, 16, backend="triton")
+    _, scales = quant_triton.quantize_blockwise_triton(x, 16, 8)
+    assert torch.isnan(scales).tolist() == [True, False, False, False]
 
 
 def test_auto_dispatch(monkeypatch):
@@ -194,11 +198,14 @@ def test_compiled_kernels_match_reference(compiled, numel, block_size, bits, dty
     assert dispatch.triton_kernels(x, "auto") is quant_triton
     check_against_reference(x, bits, block_size, interpreted=False)
     # The CUDA kernels also agree with the reference computed on CPU.
-    on_cpu = quantize_blockwise(x.cpu(), bits, block_size, check_finite=False, backend="torch")
-    on_gpu = quantize_blockwise(x, bits, block_size, check_finite=False)
-    assert_same_bits(on_gpu.data, on_cpu.data)
-    assert_same_bits(on_gpu.scales, on_cpu.scales)
-    assert_same_bits(on_gpu.dequantize(), on_cpu.dequantize())
+    cpu_data, cpu_scales = quantize_reference(x.cpu(), bits, block_size)
+    gpu_data, gpu_scales = quant_triton.quantize_blockwise_triton(x, block_size, bits)
+    assert_same_bits(gpu_data, cpu_data)
+    assert_same_bits(gpu_scales, cpu_scales)
+    on_cpu = dequantize_reference(cpu_data, cpu_scales, block_size, numel, bits, dtype)
+    assert_same_bits(
+        quant_triton.dequantize_blockwise_triton(gpu_data, gpu_scales, block_size, numel, bits, dtype), on_cpu
+    )
 
 
 @pytest.mark.gpu
@@ -331,14 +338,10 @@ def test_row_dispatch_rules(monkeypatch):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_interpreted_flat_bf16_scales_match_reference(interpreter, bits):
-    # The flat API now takes the kernels for bf16 scales too.
+    # The flat kernels take bf16 scales too.
     for numel, block_size in [(1001, 100), (700, 128), (9, 2)]:
         x = make_input(numel, block_size, bits, torch.float32, seed=numel)
-        ref = quantize_blockwise(x, bits, block_size, check_finite=False, backend="torch", scale_dtype=torch.bfloat16)
-        got = quantize_blockwise(x, bits, block_size, check_finite=False, backend="triton", scale_dtype=torch.bfloat16)
-        assert_same_bits(got.data, ref.data)
-        assert_same_bits(got.scales, ref.scales)
-        assert_same_bits(dequantize_blockwise(got, backend="triton"), dequantize_blockwise(ref, backend="torch"))
+        check_against_reference(x, bits, block_size, interpreted=True, scale_dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """The layering of the quantization and precision modules: one definition of the blockwise format at the bottom,
-backends above it, one dispatch above them, and no import cycles (checked on the source, then on a real import)."""
+backends above it, one dispatch above them, frozen-weight storage beside the collectives (reading only their
+format), and no import cycles (checked on the source, then on a real import)."""
 
 import ast
 import importlib.util
@@ -11,7 +12,13 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ds_plugin/quant", "ds_plugin/kernels", "ds_plugin/precision")
+PACKAGES = (
+    "ds_plugin/quant",
+    "ds_plugin/quant/comm",
+    "ds_plugin/quant/frozen",
+    "ds_plugin/kernels",
+    "ds_plugin/precision",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -61,12 +68,23 @@ def _graph() -> dict[str, set[str]]:
 
 def test_format_is_the_bottom_and_kernels_import_only_it():
     graph = _graph()
-    assert graph["ds_plugin.quant.format"] == set()
+    assert graph["ds_plugin.quant.comm.format"] == set()
     for name, deps in graph.items():
         if name.startswith("ds_plugin.kernels."):
-            assert deps <= {"ds_plugin.quant.format"}, (name, deps)
-    # The torch backend sits on the format only; it never reaches for the dispatch or the flat API.
-    assert graph["ds_plugin.quant.fused"] == {"ds_plugin.quant.format"}
+            assert deps <= {"ds_plugin.quant.comm.format"}, (name, deps)
+    # The torch backend sits on the format only; it never reaches for the dispatch.
+    assert graph["ds_plugin.quant.comm.fused"] == {"ds_plugin.quant.comm.format"}
+
+
+def test_collectives_and_frozen_storage_stay_apart():
+    graph = _graph()
+    assert graph["ds_plugin.quant"] == set()  # the parent holds the shared interpreter switch and imports nothing
+    for name, deps in graph.items():
+        if name.startswith("ds_plugin.quant.comm"):
+            assert not {d for d in deps if d.startswith("ds_plugin.quant.frozen")}, (name, deps)
+        if name.startswith("ds_plugin.quant.frozen"):
+            # Frozen INT8 reuses the collectives' block rule; nothing else of theirs.
+            assert {d for d in deps if d.startswith("ds_plugin.quant.comm")} <= {"ds_plugin.quant.comm.format"}, name
 
 
 def test_no_import_cycles():
@@ -97,7 +115,7 @@ def test_importing_the_kernels_loads_only_the_format():
         "import sys\n"
         "import ds_plugin.kernels.quant_triton\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('ds_plugin.quant'))\n"
-        "assert loaded == ['ds_plugin.quant', 'ds_plugin.quant.format'], loaded\n"
+        "assert loaded == ['ds_plugin.quant', 'ds_plugin.quant.comm', 'ds_plugin.quant.comm.format'], loaded\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

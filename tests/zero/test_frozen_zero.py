@@ -47,7 +47,7 @@ def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None,
     torch.set_num_threads(1)
     quiet()
     from ds_plugin import initialize, save_adapter
-    from ds_plugin.quant.frozen import quantized_weights
+    from ds_plugin.quant.frozen.quantize import quantized_weights
 
     model = _lora_llama()
     cfg = {"zero_optimization": {"stage": stage, "frozen_format": fmt}, "gradient_clipping": 0.0}
@@ -155,7 +155,7 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_p
     from safetensors.torch import load_file
 
     from ds_plugin.export import export_checkpoint
-    from ds_plugin.quant.frozen import quantized_weights
+    from ds_plugin.quant.frozen.quantize import quantized_weights
 
     export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "export"))
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
@@ -186,8 +186,8 @@ def _bytes_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
-    from ds_plugin.quant.frozen import quantized_weights
-    from ds_plugin.quant.frozen_weight import QuantizedWeight
+    from ds_plugin.quant.frozen.quantize import quantized_weights
+    from ds_plugin.quant.frozen.tensor import QuantizedWeight
     from ds_plugin.zero.apply import apply_zero
     from ds_plugin.zero.comms_logger import CommsLogger
 

@@ -19,7 +19,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from ds_plugin import quantize_frozen_, save_adapter
-    from ds_plugin.quant.frozen import quantized_weights
+    from ds_plugin.quant.frozen.quantize import quantized_weights
 
     pl.seed_everything(0, verbose=False)
     model = get_peft_model(

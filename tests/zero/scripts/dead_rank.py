@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/zero: the shared tiny models
 from _tiny import SEQ, VOCAB, gpt2, quiet
 
-from ds_plugin.adapters import full_state_dict
+from ds_plugin.peft_adapters import full_state_dict
 from ds_plugin.zero import initialize
 from ds_plugin.zero.faults import init_distributed
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ds_plugin.quant.frozen_weight import FrozenStorageStats, QuantizedWeight
-from ds_plugin.quant.weight_formats import DEFAULT_GROUP_SIZE, FORMATS, check_weight
+from ds_plugin.quant.frozen.codecs import DEFAULT_GROUP_SIZE, FORMATS, check_weight
+from ds_plugin.quant.frozen.tensor import FrozenStorageStats, QuantizedWeight
 
 __all__ = [
     "FROZEN_FORMATS",

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from ds_plugin.quant.weight_formats import (
+from ds_plugin.quant.frozen.codecs import (
     DEFAULT_GROUP_SIZE,
     FORMATS,
     METHODS,

@@ -1,9 +1,9 @@
 """The blockwise INT8 / INT4 format behind qwZ and qgZ: its constants and its plain-torch reference maths.
 
-This is the bottom of the quantization stack. :mod:`ds_plugin.quant.blockwise` (the flat API),
-:mod:`ds_plugin.quant.fused` (the row-wise torch backend, eager or ``torch.compile``-d) and
-:mod:`ds_plugin.kernels.quant_triton` (the Triton backend) all take their rules from here, and this module imports
-nothing from them, so there is exactly one definition of the format.
+This is the bottom of the quantization stack. :mod:`ds_plugin.quant.comm.fused` (the row-wise torch backend, eager
+or ``torch.compile``-d), :mod:`ds_plugin.kernels.quant_triton` (the Triton backend) and the frozen INT8 codec
+(:mod:`ds_plugin.quant.frozen.codecs`) all take their rules from here, and this module imports nothing from them,
+so there is exactly one definition of the format.
 
 A tensor (or each row of one) is cut into consecutive blocks of ``block_size`` elements, the last one zero-padded
 for quantizing. Each block gets one scale and integer codes:
@@ -151,7 +151,7 @@ def as_blocks(rows: Tensor, block: int) -> Tensor:
 def quantize_blocks(blocks: Tensor, bits: int, cap: float, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The reference quantizer on whole blocks (the module docstring's rules, op for op).
 
-    Written without in-place ops or data-dependent control flow so that :mod:`ds_plugin.quant.fused` can compile
+    Written without in-place ops or data-dependent control flow so that :mod:`ds_plugin.quant.comm.fused` can compile
     this very function; the eager and compiled forms then share one definition of the maths.
 
     Args:

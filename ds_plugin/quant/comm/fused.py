@@ -8,15 +8,16 @@ per element on one CPU core: on a 1 Gbit/s link that is more time than the bytes
 each step into one vectorized loop, 10-15x faster on one core (0.7-3 G elements/s); ``ds-plugin bench slow-link``
 went from 0.54x to 1.9x ZeRO-3's speed with it.
 
-This module is one backend behind :mod:`ds_plugin.quant.dispatch`, which the collectives call: CUDA tensors go to
+This module is one backend behind :mod:`ds_plugin.quant.comm.dispatch`, which the collectives call: CUDA tensors go to
 the Triton kernels (:mod:`ds_plugin.kernels.quant_triton`) where triton is importable, everything else comes here.
 On CUDA without triton the eager form runs: inductor's Triton code may divide approximately, which would break
 bit-identity with the reference.
 
-The maths is not written here: the quantize and dequantize steps call :func:`ds_plugin.quant.format.quantize_blocks`
-and :func:`~ds_plugin.quant.format.dequantize_blocks`, the format's reference, so the eager form *is* the
-reference and the compiled form is the same function compiled (tests check that they agree bit for bit). The
-qgZ sum step decodes INT4 with :func:`~ds_plugin.quant.format.int4_nibbles` and adds in peer order.
+The maths is not written here: the quantize and dequantize steps call
+:func:`ds_plugin.quant.comm.format.quantize_blocks` and :func:`~ds_plugin.quant.comm.format.dequantize_blocks`, the
+format's reference, so the eager form *is* the reference and the compiled form is the same function compiled (tests
+check that they agree bit for bit). The qgZ sum step decodes INT4 with
+:func:`~ds_plugin.quant.comm.format.int4_nibbles` and adds in peer order.
 
 When to compile: compiling costs seconds once per process (then the on-disk inductor cache makes it faster),
 so by default only CPU buckets of at least :data:`COMPILE_MIN_NUMEL` elements take the compiled form: tiny
@@ -35,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ds_plugin.quant.format import as_blocks, dequantize_blocks, int4_nibbles, quantize_blocks, scale_cap
+from ds_plugin.quant.comm.format import as_blocks, dequantize_blocks, int4_nibbles, quantize_blocks, scale_cap
 
 __all__ = [
     "COMPILE_MIN_NUMEL",

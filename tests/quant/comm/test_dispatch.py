@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from ds_plugin.quant import dispatch, fused
+from ds_plugin.quant.comm import dispatch, fused
 
 
 @pytest.fixture

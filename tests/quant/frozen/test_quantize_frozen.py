@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from ds_plugin import quantize_frozen_
-from ds_plugin.quant.frozen import quantized_weights
-from ds_plugin.quant.frozen_weight import QuantizedWeight
-from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
+from ds_plugin.quant.frozen.codecs import dequantize_weight, quantize_weight
+from ds_plugin.quant.frozen.quantize import quantized_weights
+from ds_plugin.quant.frozen.tensor import QuantizedWeight
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -113,10 +113,10 @@ def test_forward_and_input_gradient_equal_the_dequantized_reference(fmt):
 
 
 def test_lora_on_an_fp6_base_trains_through_the_op(monkeypatch):
-    from ds_plugin.quant import frozen_weight
+    from ds_plugin.quant.frozen import tensor as frozen_tensor
 
     calls = {"forward": 0, "backward": 0}
-    real_forward, real_backward = frozen_weight.quantized_linear, frozen_weight.quantized_linear_grad_input
+    real_forward, real_backward = frozen_tensor.quantized_linear, frozen_tensor.quantized_linear_grad_input
 
     def forward(*args):
         calls["forward"] += 1
@@ -126,8 +126,8 @@ def test_lora_on_an_fp6_base_trains_through_the_op(monkeypatch):
         calls["backward"] += 1
         return real_backward(*args)
 
-    monkeypatch.setattr(frozen_weight, "quantized_linear", forward)
-    monkeypatch.setattr(frozen_weight, "quantized_linear_grad_input", backward)
+    monkeypatch.setattr(frozen_tensor, "quantized_linear", forward)
+    monkeypatch.setattr(frozen_tensor, "quantized_linear_grad_input", backward)
     torch.manual_seed(0)
     model = _lora(_llama())
     quantize_frozen_(model, "fp6")

@@ -1,4 +1,4 @@
-"""The ZeRO++ row quantizer steps (`ds_plugin.quant.fused`) equal the blockwise reference bit for bit, eager and
+"""The ZeRO++ row quantizer steps (`ds_plugin.quant.comm.fused`) equal the blockwise reference bit for bit, eager and
 compiled, on ragged rows, zero blocks, inf/nan blocks and transposed (strided) inputs."""
 
 import shutil
@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from ds_plugin.quant import fused
-from ds_plugin.quant.blockwise import dequantize_int4_blockwise, dequantize_int8_blockwise, quantize_blockwise
+from ds_plugin.quant.comm import fused
+from ds_plugin.quant.comm.format import dequantize_reference, quantize_reference
 
 # (rows, numel, block): whole blocks, a ragged last block, a block larger than the row, odd INT4 counts.
 SHAPES = [(3, 1000, 64), (2, 4097, 4096), (1, 10, 4), (4, 130, 64), (2, 7, 8)]
@@ -29,8 +29,9 @@ def _rows(n: int, numel: int, dtype: torch.dtype, block: int) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _reference(row: torch.Tensor, bits: int, block: int):
-    return quantize_blockwise(row, bits, block, check_finite=False, backend="torch", scale_dtype=torch.bfloat16)
+def _reference(row: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The format's reference on the row as one flat run of blocks, bf16 scales as the collectives send them.
+    return quantize_reference(row, bits, block, torch.bfloat16)
 
 
 @pytest.fixture(autouse=True)
@@ -50,10 +51,10 @@ def test_quantize_rows_equals_reference(dtype, bits, compiled):
         codes, scales = fused.quantize_rows(x, block, bits, compiled=compiled)
         per_row = -(-numel // block)
         for r in range(n):
-            ref = _reference(x[r], bits, block)
-            assert torch.equal(codes[r], ref.data), (n, numel, block, r)
+            ref_codes, ref_scales = _reference(x[r], bits, block)
+            assert torch.equal(codes[r], ref_codes), (n, numel, block, r)
             # Compared as bits: nan scales must match too.
-            assert torch.equal(scales[r * per_row : (r + 1) * per_row].view(torch.int16), ref.scales.view(torch.int16))
+            assert torch.equal(scales[r * per_row : (r + 1) * per_row].view(torch.int16), ref_scales.view(torch.int16))
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -65,8 +66,7 @@ def test_dequantize_rows_into_equals_reference(dtype, compiled):
         out = torch.full((n, numel), 7.0, dtype=dtype)
         fused.dequantize_rows_into(out, codes.contiguous().view(-1), scales, block, compiled=compiled)
         for r in range(n):
-            ref = _reference(x[r], 8, block)
-            want = dequantize_int8_blockwise(ref.data, ref.scales, block, (numel,), dtype, backend="torch")
+            want = dequantize_reference(*_reference(x[r], 8, block), block, numel, 8, dtype)
             assert torch.equal(out[r].isnan(), want.isnan())
             assert torch.equal(out[r].nan_to_num(), want.nan_to_num()), (n, numel, block, r)
 
@@ -83,14 +83,7 @@ def test_dequantize_sum_rows_equals_reference(dtype, compiled):
             rows = [
                 x[r].float()
                 if r == me
-                else dequantize_int4_blockwise(
-                    _reference(x[r], 4, block).data,
-                    _reference(x[r], 4, block).scales,
-                    block,
-                    (numel,),
-                    torch.float32,
-                    backend="torch",
-                )
+                else dequantize_reference(*_reference(x[r], 4, block), block, numel, 4, torch.float32)
                 for r in range(n)
             ]
             want = torch.stack(rows).sum(dim=0)

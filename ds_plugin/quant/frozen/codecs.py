@@ -13,8 +13,8 @@ layout contract that row-wise ZeRO-3 sharding relies on is:
 The formats (``g`` the group size; bytes relative to bf16 at the default group size):
 
 * ``int8`` (g = 128): ``codes`` (N, K) int8 viewed as uint8, ``scales`` (N, K/g) bf16. Symmetric absmax per group
-  with the scale rounded **up** to bf16 before the codes are computed, the qwZ rule of :mod:`ds_plugin.quant.format`
-  (so codes never clip). 0.5078x.
+  with the scale rounded **up** to bf16 before the codes are computed, the qwZ rule of
+  :mod:`ds_plugin.quant.comm.format` (so codes never clip). 0.5078x.
 * ``int4`` (g = 64): ``codes`` (N, K/2) packed unsigned 4-bit, ``scales`` (N, K/g) bf16 and ``zeros`` (N, K/g)
   uint8 holding the zero point in 1/16 of a code step: ``x = scale * (q - zero / 16)``. ``method="search"`` (the
   default) picks each group's scale and zero to minimise its squared error; ``method="absmax"`` is plain symmetric
@@ -24,7 +24,7 @@ The formats (``g`` the group size; bytes relative to bf16 at the default group s
   (``absmax_codes`` (N, K/g) int8 as uint8 around ``absmax_offset`` (N, 1) fp32, the row's mean, with step
   ``absmax_scale`` (N, 1) fp32); ``method="no_double_quant"`` keeps them as ``absmax`` (N, K/g) fp32, the
   bitsandbytes-exact form. 0.2578x + 4/K with double quant, 0.2813x without.
-* ``fp6`` (g = 128): ``codes`` (N, 3K/4) e3m2 codes in two bit planes (:mod:`ds_plugin.quant.fp6`: 3 bytes per 4
+* ``fp6`` (g = 128): ``codes`` (N, 3K/4) e3m2 codes in two bit planes (:mod:`ds_plugin.quant.frozen.fp6`: 3 bytes per 4
   weights, the group a multiple of 16), ``scales`` (N, K/g) bf16. Per group ``scale = amax / 28`` rounded **up** to
   bf16 (so no code clips) and each ``x / scale`` rounded to the nearest e3m2 value, ties to even. 0.3828x.
 """
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ds_plugin.quant import fp6
-from ds_plugin.quant.format import FLOAT_DTYPES, QMAX, quantize_blocks, round_up_to_bf16, scale_cap
+from ds_plugin.quant.comm.format import FLOAT_DTYPES, QMAX, quantize_blocks, round_up_to_bf16, scale_cap
+from ds_plugin.quant.frozen import fp6
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",

@@ -1,14 +1,14 @@
 """The one dispatch for the blockwise INT8 / INT4 format: which backend quantizes and dequantizes a tensor.
 
-Two backends implement :mod:`ds_plugin.quant.format`, bit for bit:
+Two backends implement :mod:`ds_plugin.quant.comm.format`, bit for bit:
 
 * **Triton** (:mod:`ds_plugin.kernels.quant_triton`): taken by ``backend="auto"`` for CUDA tensors when triton is
   importable, and for any tensor when ``TRITON_INTERPRET=1`` is set (Triton's CPU interpreter, for tests).
   ``triton`` is imported lazily, on the first tensor that could use it, so this module imports without it.
-* **torch**: everything else. The flat API (:mod:`ds_plugin.quant.blockwise`) runs the format's reference; the row
-  steps run :mod:`ds_plugin.quant.fused`, eager or, for large CPU buckets, ``torch.compile``-d.
+* **torch**: everything else: :mod:`ds_plugin.quant.comm.fused`, eager or, for large CPU buckets,
+  ``torch.compile``-d.
 
-:func:`triton_kernels` is the rule, used by the flat API and by the row steps below. The row steps are what the
+:func:`triton_kernels` is the rule, used by the row steps below. The row steps are what the
 ZeRO++ collectives (:mod:`ds_plugin.zero.zeropp`) call. Their ``compiled`` argument picks between the torch
 forms: ``True`` asks for the compiled torch form (and so for torch), ``False`` / ``None`` leave the choice of
 backend to the rule, so the collectives' CPU-only compile decision sends CUDA buckets to Triton.
@@ -22,24 +22,23 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
 
 from torch import Tensor
 
-from ds_plugin.quant import fused
+from ds_plugin.quant import interpreter_requested
+from ds_plugin.quant.comm import fused
 
 # qgZ's decode-and-sum has no Triton kernel: the torch form runs on every device (see the module docstring).
-from ds_plugin.quant.fused import compile_report, dequantize_sum_rows, use_compiled
+from ds_plugin.quant.comm.fused import compile_report, dequantize_sum_rows, use_compiled
 
 __all__ = [
     "Backend",
     "compile_report",
     "dequantize_rows_into",
     "dequantize_sum_rows",
-    "interpreter_requested",
     "quantize_rows",
     "triton_kernels",
     "use_compiled",
@@ -48,12 +47,6 @@ __all__ = [
 Backend = Literal["auto", "torch", "triton"]
 
 logger = logging.getLogger(__name__)
-
-
-def interpreter_requested() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter, read without importing triton."""
-    # Same spelling triton accepts for its boolean environment knobs.
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 
 @functools.cache
@@ -154,7 +147,7 @@ def dequantize_rows_into(
     """Write ``codes * scale`` (INT8 rows from :func:`quantize_rows`) into ``out``, in ``out``'s dtype.
 
     Args:
-        out, codes, scales, block: as for :func:`ds_plugin.quant.fused.dequantize_rows_into`.
+        out, codes, scales, block: as for :func:`ds_plugin.quant.comm.fused.dequantize_rows_into`.
         compiled: as for :func:`quantize_rows`.
         backend: as for :func:`quantize_rows`.
     """

@@ -7,8 +7,8 @@ either as one opaque node:
 * ``quantized_linear_grad_input(grad_out, parts, fmt, group_size, in_features) -> grad_out @ dequant(W)``: the
   forward's input gradient (its own gradient is the forward again, so double backward works too).
 
-``parts`` is the weight's components (:mod:`ds_plugin.quant.weight_formats`) as a list, in :func:`parts_list`'s
-order. :class:`~ds_plugin.quant.frozen_weight.QuantizedWeight`'s ``F.linear`` calls both (forward, and backward
+``parts`` is the weight's components (:mod:`ds_plugin.quant.frozen.codecs`) as a list, in :func:`parts_list`'s
+order. :class:`~ds_plugin.quant.frozen.tensor.QuantizedWeight`'s ``F.linear`` calls both (forward, and backward
 with the components re-read from the weight, which ZeRO-3 may have gathered again in between).
 
 Backends: the Triton kernels of :mod:`ds_plugin.kernels.quant_linear_triton` take fp6, int4 and int8 weights with
@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ds_plugin.quant.dispatch import interpreter_requested
-from ds_plugin.quant.weight_formats import dequantize_weight
+from ds_plugin.quant import interpreter_requested
+from ds_plugin.quant.frozen.codecs import dequantize_weight
 
 __all__ = ["kernel_backend", "parts_list", "quantized_linear", "quantized_linear_grad_input"]
 
 logger = logging.getLogger(__name__)
 
-# Component names per format, in the order the ops take them; NF4 has two forms (see weight_formats).
+# Component names per format, in the order the ops take them; NF4 has two forms (see codecs).
 _NAMES = {
     "int8": ("codes", "scales"),
     "int4": ("codes", "scales", "zeros"),

@@ -2,7 +2,7 @@
 
 A format is a tensor type, as in torchao: the weight parameter of a frozen ``nn.Linear`` becomes a
 ``QuantizedWeight`` whose logical shape and dtype are the original weight's (N, K) and compute dtype, and whose
-storage is the format's components (:mod:`ds_plugin.quant.weight_formats`): uint8 codes and their scales, every
+storage is the format's components (:mod:`ds_plugin.quant.frozen.codecs`): uint8 codes and their scales, every
 component with N leading rows, so that a row slice of every component is the row slice of the weight.
 
 What that buys, stage by stage:
@@ -14,7 +14,7 @@ What that buys, stage by stage:
   views into the gathered bytes.
 - Stages 0-2: the weight is stored replicated, quantized.
 - Compute: ``F.linear`` on a ``QuantizedWeight`` runs :class:`_QuantizedLinear`, which calls the custom op
-  ``ds_plugin::quantized_linear`` (:mod:`ds_plugin.quant.linear_op`) on the components: on CUDA, Triton kernels
+  ``ds_plugin::quantized_linear`` (:mod:`ds_plugin.quant.frozen.linear_op`) on the components: on CUDA, Triton kernels
   with the dequantization fused into the GEMM (fp6, int4, int8); elsewhere, and for nf4, the reference dequantizes
   into the compute dtype for the product and drops the result. Backward does the same for ``dx = dy · W``
   (``ds_plugin::quantized_linear_grad_input``). At most one layer's full-precision weight exists at a time (none
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map_only
 
-from ds_plugin.quant.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
-from ds_plugin.quant.weight_formats import dequantize_weight, quantize_weight
+from ds_plugin.quant.frozen.codecs import dequantize_weight, quantize_weight
+from ds_plugin.quant.frozen.linear_op import parts_list, quantized_linear, quantized_linear_grad_input
 
 __all__ = ["FrozenStorageStats", "QuantizedWeight"]
 

@@ -27,7 +27,7 @@ pair of codes; see :mod:`ds_plugin.kernels.quant_linear_triton`). For code ``k =
   top-plane bytes).
 
 Byte ``j`` of a word is its bits ``8j .. 8j + 7``. Every bit of the 12 bytes belongs to exactly one code, so the
-packing is a bijection between 16 codes and 12 bytes (checked over random bytes in ``tests/quant/test_fp6.py``).
+packing is a bijection between 16 codes and 12 bytes (checked over random bytes in ``tests/quant/frozen/test_fp6.py``).
 """
 
 from __future__ import annotations

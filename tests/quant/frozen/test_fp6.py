@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_plugin.quant import fp6
-from ds_plugin.quant.weight_formats import check_weight, dequantize_weight, quantize_weight, weight_nbytes
+from ds_plugin.quant.frozen import fp6
+from ds_plugin.quant.frozen.codecs import check_weight, dequantize_weight, quantize_weight, weight_nbytes
 
 
 def test_the_64_codes_are_e3m2():

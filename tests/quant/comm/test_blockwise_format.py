@@ -1,4 +1,6 @@
-"""Blockwise INT8/INT4 quantization (qwZ / qgZ format): error bound, packing, edge shapes, inf/nan, byte counts."""
+"""The blockwise INT8/INT4 format of qwZ / qgZ (`ds_plugin.quant.comm.format`): error bound, packing, edge shapes,
+inf/nan, byte counts. Whole tensors go through the format's reference by way of the flat shell in
+`_blockwise_reference.py`; the packing, byte and scale helpers and the backend rule are the library's own."""
 
 import math
 import os
@@ -8,33 +10,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from ds_plugin.quant.blockwise import (
+from _blockwise_reference import (
     QuantizedBlocks,
     dequantize_blockwise,
     dequantize_int4_blockwise,
     dequantize_int8_blockwise,
-    max_finite_scale,
-    pack_int4,
     quantize_blockwise,
     quantize_int4_blockwise,
     quantize_int8_blockwise,
-    quantized_nbytes,
-    unpack_int4,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds_plugin.quant.comm import dispatch
+from ds_plugin.quant.comm.format import max_finite_scale, pack_int4, quantized_nbytes, unpack_int4
 
 QMAX = {8: 127, 4: 7}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Magnitudes (exact in fp32) whose cast to the dtype stays finite: bf16 rounds values just under fp32's max up to inf.
 DTYPE_RANGE = {torch.float32: None, torch.bfloat16: 1.5 * 2.0**127, torch.float16: 6.0e4}
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)
 def _torch_backend_only(monkeypatch):
-    # These tests pin down the torch reference; the interpreter must not take over "auto" dispatch.
+    # The backend-rule checks below need "auto" to mean torch on CPU: no interpreter requested.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
@@ -302,22 +302,28 @@ def test_argument_validation():
     with pytest.raises(TypeError, match="produces fp32, bf16 or fp16"):
         dequantize_int8_blockwise(q, scales, 4, (10,), torch.int32)
     with pytest.raises(ValueError, match="backend"):
-        quantize_blockwise(x, 8, backend="cuda")
+        dispatch.triton_kernels(x, "cuda")
 
 
 def test_forcing_triton_on_cpu_without_interpreter_fails_clearly():
     with pytest.raises(RuntimeError, match="backend='triton' cannot run here"):
-        quantize_blockwise(torch.randn(8), 8, 4, backend="triton")
+        dispatch.triton_kernels(torch.randn(8), "triton")
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run here"):
+        dispatch.quantize_rows(torch.randn(2, 8), 4, 8, backend="triton")
 
 
 def test_imports_and_runs_without_triton():
-    # Block triton entirely (even with the interpreter requested): the torch path must still work.
+    # Block triton entirely (even with the interpreter requested): the dispatch's torch path must still work.
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, ds_plugin.quant\n"
-        "from ds_plugin.quant.blockwise import quantize_blockwise\n"
-        "qb = quantize_blockwise(torch.ones(10), 4, 4)\n"
-        "assert torch.equal(qb.dequantize(), torch.ones(10))\n"
+        "from ds_plugin.quant.comm.dispatch import dequantize_rows_into, quantize_rows\n"
+        "x = torch.full((2, 10), 127.0)\n"  # a scale of exactly 1, even as bf16
+        "codes, scales = quantize_rows(x, 4, 8)\n"
+        "out = torch.empty(2, 10)\n"
+        "dequantize_rows_into(out, codes.contiguous(), scales, 4)\n"
+        "assert torch.equal(out, x)\n"
+        "assert quantize_rows(torch.ones(2, 10), 4, 4)[0].shape == (2, 5)\n"
         "assert 'ds_plugin.kernels.quant_triton' not in sys.modules\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
