@@ -36,7 +36,7 @@ class UsageError(Exception):
 def _user_errors() -> tuple[type[Exception], ...]:
     # CheckpointError lives beside torch, which `env`, `check-config` and `estimate` never import; it can only
     # have been raised once its module is loaded, so look it up then instead of importing it for every command.
-    checkpoint = sys.modules.get("ds_plugin.zero.checkpoint")
+    checkpoint = sys.modules.get("ds_plugin.checkpoint.guard")
     return (ConfigError, UsageError) + ((checkpoint.CheckpointError,) if checkpoint is not None else ())
 
 

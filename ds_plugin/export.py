@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ds_plugin.zero.checkpoint import CheckpointError, load_full_state_dict, read_checkpoint_info
+from ds_plugin.checkpoint import CheckpointError, load_full_state_dict, read_checkpoint_info
 
 __all__ = ["export_checkpoint", "export_command", "export_summary"]
 
