@@ -208,7 +208,10 @@ def build_parser() -> ArgumentParser:
     p.set_defaults(func=_cmd_estimate, parser=p)
 
     p = sub.add_parser("export", help="consolidate a sharded checkpoint into safetensors (+ config.json)")
-    p.add_argument("ckpt_dir", help="a checkpoint directory written by save_checkpoint / save_fsdp")
+    p.add_argument(
+        "ckpt_dir",
+        help="a checkpoint directory written by ds_plugin (an engine, Lightning, Fabric, Accelerate)",
+    )
     p.add_argument("out_dir", type=output_dir, help="where model.safetensors (and config.json) go; created")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast the weights (default: as saved)")
     p.set_defaults(func=_cmd_export, parser=p)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from _launch import run_script
 
-from ds_plugin.zero.checkpoint import read_checkpoint_info
+from ds_plugin.checkpoint import read_checkpoint_info
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
