@@ -1,6 +1,6 @@
 """One rank of a ZeRO-3 engine run that checkpoints every 2 steps; rank 1 may die or freeze in the middle of a step.
 
-Started once per rank by `tests/zero/test_dead_rank.py` as plain processes (no launcher that would kill the
+Started once per rank by `tests/runtime/test_dead_rank.py` as plain processes (no launcher that would kill the
 survivors for us): `RANK`/`WORLD_SIZE` in the environment, a FileStore rendezvous, `DS_PLUGIN_TIMEOUT` for the
 collective timeout, all through `ds_plugin.runtime.faults.init_distributed`.
 
