@@ -527,7 +527,8 @@ class ZeroEngine:
             load_dir: the directory `save_checkpoint` wrote into.
             tag: a checkpoint name; default what `ds_plugin.checkpoint.latest_checkpoint` picks (`latest` if it
                 is complete; partial or damaged directories are reported and skipped).
-            load_optimizer_states: also load the optimizer state.
+            load_optimizer_states: also load the optimizer state and the fp16 loss scaler (the step counters come
+                back either way; `ds_plugin.checkpoint.engine_state` has the rule).
             load_module_only: load the weights only (no optimizer, no step counters).
         """
         from ds_plugin.checkpoint.layout import load_engine_dir
