@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_plugin.zero.host_memory import host_memory_reuse_state, reuse_freed_host_memory
+from ds_plugin.runtime.host_memory import host_memory_reuse_state, reuse_freed_host_memory
 
 # Config name -> (ds_plugin preset, DeepSpeed keys merged over it); deepspeed_hpz runs DeepSpeed itself.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -71,7 +71,7 @@ def _train_step(engine, log, gen: torch.Generator, seq: int, *, logged: bool) ->
 
 def _rank_worker(rank: int, world: int, *, n_layer: int, n_embd: int, seq: int, steps: int) -> dict[str, Any]:
     import ds_plugin
-    from ds_plugin.zero.comms_logger import CommsLogger
+    from ds_plugin.runtime.comms_logger import CommsLogger
 
     results: dict[str, Any] = {}
     gen = torch.Generator().manual_seed(rank)

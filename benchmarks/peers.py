@@ -141,7 +141,7 @@ def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: 
 def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int, reuse: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ds_plugin.zero.host_memory import reuse_freed_host_memory
+    from ds_plugin.runtime.host_memory import reuse_freed_host_memory
 
     if reuse:  # every framework alike: ds_plugin's engine would turn it on by itself, the others would not
         reuse_freed_host_memory()
@@ -244,7 +244,7 @@ def run(
         repeats: runs per config; odd repetitions go in reverse order.
         timeout: seconds per run (DeepSpeed's first run compiles its CPU op).
         host_memory_reuse: glibc malloc keeps freed memory in every run's ranks, whichever the framework
-            (ds_plugin's engine does it by itself on CPU; see `ds_plugin.zero.host_memory`).
+            (ds_plugin's engine does it by itself on CPU; see `ds_plugin.runtime.host_memory`).
     """
     ds_version, ds_missing = deepspeed_version()
     combos = [(n, d) for n in names for d in dtypes]

@@ -40,7 +40,7 @@ def __getattr__(name: str):
 
         return apply_zero
     if name == "init_distributed":
-        from ds_plugin.zero.faults import init_distributed
+        from ds_plugin.runtime.faults import init_distributed
 
         return init_distributed
     if name == "save_adapter":

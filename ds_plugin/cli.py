@@ -44,7 +44,7 @@ class UsageError(Exception):
 def _user_errors() -> tuple[type[Exception], ...]:
     # CheckpointError lives beside torch, which `env`, `check-config` and `estimate` never import; it can only
     # have been raised once its module is loaded, so look it up then instead of importing it for every command.
-    checkpoint = sys.modules.get("ds_plugin.zero.checkpoint")
+    checkpoint = sys.modules.get("ds_plugin.checkpoint.guard")
     return (ConfigError, UsageError) + ((checkpoint.CheckpointError,) if checkpoint is not None else ())
 
 
@@ -249,7 +249,10 @@ def build_parser() -> ArgumentParser:
     p.set_defaults(func=_cmd_estimate, parser=p)
 
     p = sub.add_parser("export", help="consolidate a sharded checkpoint into safetensors (+ config.json)")
-    p.add_argument("ckpt_dir", help="a checkpoint directory written by save_checkpoint / save_fsdp")
+    p.add_argument(
+        "ckpt_dir",
+        help="a checkpoint directory written by ds_plugin (an engine, Lightning, Fabric, Accelerate)",
+    )
     p.add_argument("out_dir", type=output_dir, help="where model.safetensors (and config.json) go; created")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast the weights (default: as saved)")
     p.set_defaults(func=_cmd_export, parser=p)

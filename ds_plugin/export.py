@@ -3,7 +3,7 @@
 `export_checkpoint(ckpt_dir, out_dir)` reads a ds_plugin checkpoint in this one process (no
 torch.distributed), assembles every full weight, and writes `model.safetensors` (or numbered shards plus
 `model.safetensors.index.json` past `max_shard_size`). When the checkpoint's `extra` holds a transformers
-config (`save_fsdp` records it), `config.json` is written too and tied weights are stored once, as
+config (`model_metadata` records it), `config.json` is written too and tied weights are stored once, as
 `save_pretrained` does, so `AutoModelForCausalLM.from_pretrained(out_dir)` loads it directly. Frozen weights that
 training stored quantized (`quantize_frozen_`) are written dequantized, in the dtype they computed in.
 `export_command` is what `ds-plugin export CKPT_DIR OUT_DIR [--dtype]` runs.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ds_plugin.zero.checkpoint import CheckpointError, load_full_state_dict, read_checkpoint_info
+from ds_plugin.checkpoint import CheckpointError, load_full_state_dict, read_checkpoint_info
 
 __all__ = ["export_checkpoint", "export_command", "export_summary"]
 
@@ -145,7 +145,7 @@ def export_checkpoint(
     """Write the checkpoint's full weights as safetensors (plus config.json for transformers models).
 
     Args:
-        ckpt_dir: a checkpoint directory written by `save_checkpoint` / `save_fsdp`.
+        ckpt_dir: a checkpoint directory written by `save_checkpoint` (an engine's, a framework's).
         out_dir: the output directory (created; earlier exported weights in it are replaced).
         dtype: cast floating-point weights ("fp32", "bf16", "fp16"); None keeps the saved dtype.
         max_shard_size: bytes per safetensors file before splitting into indexed shards.

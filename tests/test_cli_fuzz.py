@@ -535,7 +535,7 @@ def test_export_writes_and_reports_a_full_disk_in_one_line(tmp_path: Path, monke
     torch = pytest.importorskip("torch")
     import safetensors.torch
 
-    from ds_plugin.zero.checkpoint import save_checkpoint
+    from ds_plugin.checkpoint import save_checkpoint
 
     ckpt = str(save_checkpoint(tmp_path / "ck", model_state={"w": torch.ones(4)}))
     code, out, err = run_cli(["export", ckpt, str(tmp_path / "new" / "out")])

@@ -37,11 +37,11 @@ from ds_plugin.accelerate.optimizer import ZeroAcceleratedOptimizer
 from ds_plugin.accelerate.plugin import ZeroPlugin
 from ds_plugin.accelerate.settings import config_with_precision, describe_plan, framework_settings, refuse_other_engines
 from ds_plugin.config import ConfigError
+from ds_plugin.runtime.faults import default_timeout
 from ds_plugin.strategies._config import batch_size
 from ds_plugin.strategies._model import repoint_scheduler
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
-from ds_plugin.zero.faults import default_timeout
 from ds_plugin.zero.mesh import data_parallel_mesh
 from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, resolve_plan
 from ds_plugin.zero.setup import has_meta, setup_zero
@@ -83,7 +83,7 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
             kwargs["mixed_precision"] = "bf16"
         handlers = list(kwargs.get("kwargs_handlers") or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
-            # A dead or frozen rank should end the job in minutes, not torch's 30 (see ds_plugin.zero.faults).
+            # A dead or frozen rank should end the job in minutes, not torch's 30 (see ds_plugin.runtime.faults).
             kwargs["kwargs_handlers"] = [*handlers, InitProcessGroupKwargs(timeout=default_timeout())]
         super().__init__(**kwargs)
         if self.distributed_type not in _SUPPORTED_TYPES:

@@ -3,7 +3,7 @@ Accelerate's folder, and whole weights gathered on the main process.
 
 Accelerate's own `save_state` writes whole model and optimizer state dicts from one process, which a ZeRO model
 does not have (its weights and optimizer state are shards). So the engine's model, optimizer and step counters go
-to `<output_dir>/ds_plugin_engine/`, written by every rank through `ds_plugin.zero.checkpoint` (atomic, resharding,
+to `<output_dir>/ds_plugin_engine/`, written by every rank through `ds_plugin.checkpoint` (atomic, resharding,
 loads at any stage or world size); everything else (LR schedulers, dataloader positions, RNG states, `step`,
 registered objects) stays Accelerate's, in Accelerate's files beside it.
 """
@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from ds_plugin.accelerate.optimizer import ZeroAcceleratedOptimizer
+from ds_plugin.checkpoint import MARKER, CheckpointError, load_engine_checkpoint, save_engine_checkpoint
 from ds_plugin.peft_adapters import full_state_dict
-from ds_plugin.strategies._checkpoint import load_engine_checkpoint, save_engine_checkpoint
-from ds_plugin.zero.checkpoint import MARKER, CheckpointError
 from ds_plugin.zero.engine import ZeroEngine
 
 __all__ = ["ENGINE_DIR", "EngineCheckpointing", "has_engine_state", "load_engine_state", "save_engine_state"]
@@ -42,11 +41,8 @@ def save_engine_state(output_dir: str | os.PathLike, engine: ZeroEngine, *, opti
         engine: the engine training the prepared model.
         optimizer: include the optimizer state (when the engine has an optimizer).
     """
-    optim = engine.optimizer_state_dict() if optimizer and engine.optimizer is not None else None
     path = Path(output_dir) / ENGINE_DIR
-    save_engine_checkpoint(
-        path, engine, model_state=engine.model_state_dict(), optimizer_state=optim, framework_state={}
-    )
+    save_engine_checkpoint(path, engine, optimizer=optimizer)
     return path
 
 
@@ -65,7 +61,8 @@ def load_engine_state(input_dir: str | os.PathLike, engine: ZeroEngine, *, optim
     Args:
         input_dir: the `save_state` folder.
         engine: the engine of the prepared model.
-        optimizer: also load the optimizer state and step counters.
+        optimizer: also load the optimizer state and loss scaler (the step counters come back either way, see
+            `ds_plugin.checkpoint.engine_state`).
 
     Raises:
         CheckpointError: the folder holds no engine checkpoint, or another model's (one line).

@@ -1,35 +1,16 @@
-"""What the adapters need to know about a framework's model and schedulers: the transformers models inside a
-LightningModule (for exports), and LR schedulers that must follow the optimizer the engine rebuilt.
+"""What the adapters need to know about a framework's schedulers: LR schedulers that must follow the optimizer the
+engine rebuilt. (The transformers models inside a LightningModule, for exports: `ds_plugin.checkpoint.metadata`.)
 
 Shared by the Lightning Trainer and Fabric adapters; each function maps a framework situation onto the engine.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
-from torch import nn
 
-__all__ = ["hf_models", "repoint_scheduler"]
-
-
-def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, model) of the outermost transformers models inside `module`; empty if transformers is not imported.
-
-    Args:
-        module: e.g. a LightningModule holding a `PreTrainedModel` (or a peft model around one).
-    """
-    if "transformers" not in sys.modules:
-        return []
-    from transformers import PreTrainedModel
-
-    found: list[tuple[str, nn.Module]] = []
-    for name, m in module.named_modules():
-        if isinstance(m, PreTrainedModel) and not any(name.startswith(f"{outer}.") for outer, _ in found):
-            found.append((name, m))
-    return found
+__all__ = ["repoint_scheduler"]
 
 
 def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

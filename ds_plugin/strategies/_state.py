@@ -14,11 +14,11 @@ from typing import Any
 from torch import nn
 
 from ds_plugin.config import TrainingConfig
+from ds_plugin.runtime.faults import default_timeout, peer_failure_guard
 from ds_plugin.strategies._config import ConfigSource, load_strategy_config
 from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
-from ds_plugin.zero.faults import default_timeout, peer_failure_guard
 from ds_plugin.zero.optimizer import OptimizerSpec
 from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, resolve_plan
 from ds_plugin.zero.setup import setup_zero

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_plugin.strategies import _checkpoint, _config, _model
+from ds_plugin.peft_adapters import full_state_dict
+from ds_plugin.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from ds_plugin.strategies import _config, _model
 from ds_plugin.strategies._state import ZeroStrategyState, zero_precision_property
 from ds_plugin.strategies.lightning_precision import ZeroPrecision
 from ds_plugin.zero.engine import ZeroEngine
@@ -142,7 +143,7 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
             module: a submodule of the model; keys are then relative to it.
             trainable_only: only parameters that require grad.
         """
-        return _checkpoint.full_state_dict(self.engine, module, trainable_only=trainable_only)
+        return full_state_dict(self.engine, module, trainable_only=trainable_only)
 
     # ------------------------------------------------------------------ steps
 
@@ -220,12 +221,10 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
             raise TypeError("ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported")
         plain, models, optims = self._split(state)
         stateful = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in plain.items()}
-        engine = self.engine
-        _checkpoint.save_engine_checkpoint(
+        save_engine_checkpoint(
             self.broadcast(str(path)),
-            engine,
-            model_state=engine.model_state_dict(),
-            optimizer_state=engine.optimizer_state_dict() if optims else None,
+            self.engine,
+            optimizer=bool(optims),
             framework_state={"state": stateful, "model_keys": models, "optimizer_keys": optims},
         )
 
@@ -241,7 +240,7 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
                 "fabric.load(path, {'model': model, 'optimizer': optimizer}); the checkpoint is sharded"
             )
         plain, _, optims = self._split(state)
-        saved = _checkpoint.load_engine_checkpoint(Path(self.broadcast(str(path))), self.engine, optimizer=bool(optims))
+        saved = load_engine_checkpoint(self.broadcast(str(path)), self.engine, optimizer=bool(optims)).framework_state
         entries = dict(saved.get("state", {}))
         missing = [k for k in plain if k not in entries]
         if strict and missing:

@@ -28,8 +28,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from ds_plugin.peft_adapters import full_state_dict
+from ds_plugin.checkpoint import load_engine_checkpoint, remove_checkpoint, save_engine_checkpoint
 from ds_plugin.config import AUTO
-from ds_plugin.strategies import _checkpoint, _config, _model
+from ds_plugin.strategies import _config, _model
 from ds_plugin.strategies._state import ZeroStrategyState, zero_precision_property
 from ds_plugin.strategies.lightning_precision import ZeroPrecision
 from ds_plugin.zero.mesh import data_parallel_mesh
@@ -170,7 +172,7 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
             module: a submodule of the LightningModule (e.g. a peft model); keys are then relative to it.
             trainable_only: only parameters that require grad (a LoRA adapter's weights).
         """
-        return _checkpoint.full_state_dict(self.engine, module, trainable_only=trainable_only)
+        return full_state_dict(self.engine, module, trainable_only=trainable_only)
 
     def _redirect(self, context: Any, method: str, args: tuple, kwargs: dict) -> Any:
         # Through the module's own call, so FSDP2's root hooks (gather, input cast) run around the step.
@@ -231,16 +233,21 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
             raise TypeError("ZeroStrategy.save_checkpoint: storage_options is not supported (the checkpoint is DCP)")
         path = self.broadcast(str(filepath))
         model_state = checkpoint.pop("state_dict")
-        optimizer_states = checkpoint.pop("optimizer_states", None) or [None]
-        _checkpoint.save_engine_checkpoint(
-            path, self.engine, model_state=model_state, optimizer_state=optimizer_states[0], framework_state=checkpoint
+        optimizer_state = (checkpoint.pop("optimizer_states", None) or [None])[0]
+        save_engine_checkpoint(
+            path,
+            self.engine,
+            optimizer=optimizer_state is not None,
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+            framework_state=checkpoint,
         )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return _checkpoint.load_engine_checkpoint(path, self.engine, optimizer=fitting)
+        return load_engine_checkpoint(path, self.engine, optimizer=fitting).framework_state
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -253,7 +260,7 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            _checkpoint.remove_checkpoint(filepath)
+            remove_checkpoint(filepath)
 
     @override
     def teardown(self) -> None:

@@ -1,4 +1,4 @@
-"""The ZeRO engine on FSDP2: the plan, setup, stages 0-3, ZeRO++ collectives, comms logger, sharded checkpoints."""
+"""The ZeRO engine on FSDP2: the plan, setup, stages 0-3 and ZeRO++ collectives."""
 
 from ds_plugin.zero.apply import apply_zero, is_zero_applied, mixed_precision_policy
 from ds_plugin.zero.engine import ZeroEngine

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ds_plugin.config import TrainingConfig
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
-from ds_plugin.zero.host_memory import reuse_freed_host_memory
+from ds_plugin.runtime.host_memory import reuse_freed_host_memory
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, resolve_plan
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state

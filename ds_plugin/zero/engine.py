@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 from ds_plugin.config import FP16Config, TrainingConfig
 from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
 from ds_plugin.quant.frozen.quantize import load_quantized_parts, quantized_parts_state, quantized_weights
+from ds_plugin.runtime.comms_logger import CommsLogger
+from ds_plugin.runtime.faults import peer_failure_guard
 from ds_plugin.zero.apply import is_zero_applied, plan_for
-from ds_plugin.zero.comms_logger import CommsLogger
-from ds_plugin.zero.faults import peer_failure_guard
 from ds_plugin.zero.mesh import ZeroSetupError, torch_dtype
 from ds_plugin.zero.optimizer import (
     LocalShards,
@@ -507,7 +507,7 @@ class ZeroEngine:
             client_state: the loop's own state as JSON (epoch, batches consumed, ...), returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at this checkpoint.
         """
-        from ds_plugin.zero.resume import save_engine_dir
+        from ds_plugin.checkpoint.layout import save_engine_dir
 
         with peer_failure_guard("save_checkpoint", self.global_steps, self.resume_hint):
             return save_engine_dir(self, save_dir, tag, client_state, save_latest=save_latest)
@@ -525,12 +525,13 @@ class ZeroEngine:
 
         Args:
             load_dir: the directory `save_checkpoint` wrote into.
-            tag: a checkpoint name; default what `ds_plugin.zero.resume.latest_checkpoint` picks (`latest` if it
+            tag: a checkpoint name; default what `ds_plugin.checkpoint.latest_checkpoint` picks (`latest` if it
                 is complete; partial or damaged directories are reported and skipped).
-            load_optimizer_states: also load the optimizer state.
+            load_optimizer_states: also load the optimizer state and the fp16 loss scaler (the step counters come
+                back either way; `ds_plugin.checkpoint.engine_state` has the rule).
             load_module_only: load the weights only (no optimizer, no step counters).
         """
-        from ds_plugin.zero.resume import load_engine_dir
+        from ds_plugin.checkpoint.layout import load_engine_dir
 
         with peer_failure_guard("load_checkpoint", self.global_steps, self.resume_hint):
             return load_engine_dir(

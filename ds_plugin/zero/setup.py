@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ds_plugin.config import TrainingConfig
+from ds_plugin.runtime.comms_logger import comms_logger_from_config
 from ds_plugin.zero.apply import apply_zero, has_fp8_layers, is_zero_applied, plan_for
-from ds_plugin.zero.comms_logger import comms_logger_from_config
 from ds_plugin.zero.engine import ZeroEngine
 from ds_plugin.zero.init import materialize_
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device

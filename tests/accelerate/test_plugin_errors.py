@@ -140,7 +140,7 @@ def test_script_building_accelerates_deepspeed_plugin_gets_one_line(tmp_path: Pa
 
 def test_core_imports_neither_accelerate_nor_lightning() -> None:
     code = (
-        "import sys, ds_plugin, ds_plugin.zero, ds_plugin.peft_adapters, ds_plugin.strategies._checkpoint; "
+        "import sys, ds_plugin, ds_plugin.zero, ds_plugin.peft_adapters, ds_plugin.checkpoint, ds_plugin.runtime; "
         "bad = [m for m in ('accelerate', 'lightning') if m in sys.modules]; assert not bad, bad"
     )
     proc = run([sys.executable, "-c", code], timeout=60, env=clean_env(), cwd=REPO)

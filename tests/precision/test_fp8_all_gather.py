@@ -94,7 +94,7 @@ def _train(rank: int, recipe: str, all_gather: bool) -> dict:
 
 
 def _gather_bytes(rank: int, recipe: str, all_gather: bool) -> dict:
-    from ds_plugin.zero.comms_logger import CommsLogger
+    from ds_plugin.runtime.comms_logger import CommsLogger
 
     # Only FP8 weights (no biases, nothing on the root): every all-gather byte belongs to them.
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def _gather_bytes(rank: int, recipe: str, all_gather: bool) -> dict:
 
 
 def _checkpoint(rank: int, path: str) -> dict:
-    from ds_plugin.zero.checkpoint import load_checkpoint, save_checkpoint
+    from ds_plugin.checkpoint import load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     engine = _engine(Net(), "tensorwise", True)
@@ -251,7 +251,7 @@ def test_rowwise_dgrad_fold_is_as_accurate() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_checkpoint_holds_plain_weights(results: dict) -> None:
-    from ds_plugin.zero.checkpoint import load_full_state_dict
+    from ds_plugin.checkpoint import load_full_state_dict
 
     assert results["checkpoint"]["loaded"] == results["checkpoint"]["saved"]
     # Read back without torch.distributed: plain fp32 tensors, nothing of the all-gather subclass.

@@ -2,7 +2,7 @@
 clear error on rank 0.
 
 The 2-rank case, with the restart that resumes bit-identically, is the `killed` fixture and the resume test of
-test_lightning_multiprocess.py; the engine API's at 2 and 4 ranks is tests/zero/test_dead_rank.py.
+test_lightning_multiprocess.py; the engine API's at 2 and 4 ranks is tests/runtime/test_dead_rank.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from _launch import run_script
 
-from ds_plugin.zero.checkpoint import read_checkpoint_info
+from ds_plugin.checkpoint import read_checkpoint_info
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 

@@ -16,19 +16,18 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 import ds_plugin
+from ds_plugin.checkpoint import CheckpointError, load_engine_checkpoint
 from ds_plugin.config import ConfigError
 from ds_plugin.strategies import (
     Fp8Precision,
     ZeroFabricStrategy,
     ZeroPrecision,
     ZeroStrategy,
-    _checkpoint,
     _config,
     register_lightning_strategies,
     registry,
 )
 from ds_plugin.strategies.lightning_precision import to_zero_precision
-from ds_plugin.zero.checkpoint import CheckpointError
 from ds_plugin.zero.plan import FrameworkSettings, resolve_plan
 
 NAMES = ["zero0", "zero1", "zero2", "zero3", "zero3_offload", "zeropp"]
@@ -261,7 +260,7 @@ def test_loading_something_that_is_not_a_checkpoint(tmp_path) -> None:
     ckpt = tmp_path / "model.ckpt"
     ckpt.write_bytes(b"not a DCP directory")
     with pytest.raises(CheckpointError) as exc:
-        _checkpoint.load_engine_checkpoint(ckpt, engine=None, optimizer=True)
+        load_engine_checkpoint(ckpt, engine=None, optimizer=True)
     assert "is not a directory" in one_line(exc)
 
 

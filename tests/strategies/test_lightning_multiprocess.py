@@ -39,7 +39,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     written = list(workdir.glob("resume-*.json"))  # rank 0's own report, if it got to write it
     if written:
         last = json.loads(written[0].read_text())["error"].strip().splitlines()[-1]
-        assert last.startswith("ds_plugin.zero.faults.RankFailureError: rank 0 of 2: "), result["output"][-3000:]
+        assert last.startswith("ds_plugin.runtime.faults.RankFailureError: rank 0 of 2: "), result["output"][-3000:]
         assert "another rank died" in last and 'Trainer.fit(..., ckpt_path="last") resumes' in last, last
     else:
         assert "terminated with code -9. Forcefully terminating all other processes" in result["output"], result

@@ -75,7 +75,7 @@ def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None,
         with torch.no_grad():
             out["logits"] = engine(input_ids=_probe()).logits.detach().clone()
     if ckpt:
-        from ds_plugin.zero.checkpoint import load_checkpoint, model_metadata, save_checkpoint
+        from ds_plugin.checkpoint import load_checkpoint, model_metadata, save_checkpoint
 
         extra = model_metadata(engine.module)
         save_checkpoint(ckpt, model_state=engine.model_state_dict(), extra=extra, overwrite=True)
@@ -188,8 +188,8 @@ def _bytes_worker(rank: int, world: int) -> dict:
 
     from ds_plugin.quant.frozen.quantize import quantized_weights
     from ds_plugin.quant.frozen.tensor import QuantizedWeight
+    from ds_plugin.runtime.comms_logger import CommsLogger
     from ds_plugin.zero.apply import apply_zero
-    from ds_plugin.zero.comms_logger import CommsLogger
 
     out = {}
     for fmt in FORMATS:

@@ -1,8 +1,9 @@
 """`host_memory_reuse`: on CPU the engine makes glibc malloc keep freed memory, so steps stop page-faulting.
 
-The setting is process-wide and permanent, so every check runs in fresh spawned processes: the page-fault
-counts of a loop that allocates and frees a 64 MiB tensor, with and without it, and what `apply_zero` does with
-the config key on and off.
+The setting is process-wide and permanent, so each case needs a process of its own: one spawn of four ranks plays
+them all, each rank one case (they meet only in `apply_zero`'s collectives, which every rank calls). Rank 0 and 1
+count the page faults of a loop that allocates and frees a 64 MiB tensor, without and with it; ranks 0, 2 and 3
+report what `apply_zero` does with the config key off, absent and on.
 """
 
 from __future__ import annotations
@@ -12,20 +13,22 @@ import resource
 
 import pytest
 import torch
-from _dist import run_ranks
-from _tiny import zero_config
 from torch import nn
 
-from ds_plugin.zero.host_memory import host_memory_reuse_state, reuse_freed_host_memory
+from ds_plugin.launch import run_ranks
+from ds_plugin.runtime.host_memory import host_memory_reuse_state, reuse_freed_host_memory
+from tests.zero._tiny import zero_config
 
 glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
 )
 
 _BLOCK = 64 << 20  # over glibc's largest mmap threshold (32 MiB), so by default every allocation is a fresh mmap
+# rank -> (count page faults: without reuse / with it asked for directly / not at all, the config's host_memory_reuse)
+_CASES = {0: ("plain", False), 1: ("reused", True), 2: (None, None), 3: (None, True)}
 
 
-def _faults_per_round(rank: int, world: int, *, reuse: bool, rounds: int = 30) -> dict:
+def _faults_per_round(reuse: bool, rounds: int = 30) -> dict:
     applied = reuse_freed_host_memory() if reuse else "not asked"
     faults = []
     for _ in range(rounds):
@@ -35,11 +38,28 @@ def _faults_per_round(rank: int, world: int, *, reuse: bool, rounds: int = 30) -
     return {"applied": applied, "faults": faults}
 
 
+def _case(rank: int, world: int) -> dict:
+    from ds_plugin.zero.apply import apply_zero
+
+    count, reuse = _CASES[rank]
+    out = {"faults": _faults_per_round(reuse=count == "reused")} if count else {}  # before apply_zero can apply it
+    cfg = zero_config(3)
+    if reuse is not None:
+        cfg["host_memory_reuse"] = reuse
+    apply_zero(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), cfg)
+    out["state"] = host_memory_reuse_state()
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict]:
+    return run_ranks(_case, len(_CASES), timeout=240)
+
+
 @glibc_only
-def test_freed_blocks_are_reused_without_page_faults():
+def test_freed_blocks_are_reused_without_page_faults(cases: list[dict]):
     pages = _BLOCK // resource.getpagesize()
-    plain = run_ranks(_faults_per_round, 1, reuse=False, timeout=120)[0]
-    reused = run_ranks(_faults_per_round, 1, reuse=True, timeout=120)[0]
+    plain, reused = cases[0]["faults"], cases[1]["faults"]
     assert reused["applied"] is None, reused
     # Without it, every round maps the block afresh and faults on each page of it (or on each huge page).
     assert min(plain["faults"]) >= pages / 512, plain
@@ -51,26 +71,16 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert sum(faulting) <= 12, reused
 
 
-def _apply_and_report(rank: int, world: int, *, reuse: bool | None) -> dict:
-    from ds_plugin.zero.apply import apply_zero
-
-    cfg = zero_config(3)
-    if reuse is not None:
-        cfg["host_memory_reuse"] = reuse
-    apply_zero(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), cfg)
-    return host_memory_reuse_state()
-
-
 @glibc_only
-def test_engine_applies_it_on_cpu_unless_the_config_says_false():
-    default, on, off = (run_ranks(_apply_and_report, 1, reuse=r, timeout=120)[0] for r in (None, True, False))
+def test_engine_applies_it_on_cpu_unless_the_config_says_false(cases: list[dict]):
+    off, default, on = (cases[rank]["state"] for rank in (0, 2, 3))
     assert default["applied"] is True and on["applied"] is True, (default, on)
     assert off == {"applied": False, "reason": "not requested"}
 
 
 @pytest.mark.parametrize(("system", "libc", "says"), [("Darwin", ("", ""), "Darwin"), ("Linux", ("musl", ""), "musl")])
 def test_other_platforms_get_a_reason_not_an_error(monkeypatch, system, libc, says):
-    from ds_plugin.zero import host_memory
+    from ds_plugin.runtime import host_memory
 
     monkeypatch.setattr(host_memory.platform, "system", lambda: system)
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: libc)

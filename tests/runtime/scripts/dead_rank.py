@@ -1,8 +1,8 @@
 """One rank of a ZeRO-3 engine run that checkpoints every 2 steps; rank 1 may die or freeze in the middle of a step.
 
-Started once per rank by `tests/zero/test_dead_rank.py` as plain processes (no launcher that would kill the
+Started once per rank by `tests/runtime/test_dead_rank.py` as plain processes (no launcher that would kill the
 survivors for us): `RANK`/`WORLD_SIZE` in the environment, a FileStore rendezvous, `DS_PLUGIN_TIMEOUT` for the
-collective timeout, all through `ds_plugin.zero.faults.init_distributed`.
+collective timeout, all through `ds_plugin.runtime.faults.init_distributed`.
 
 `--mode train --die kill|stop --die-at N`: rank 1 SIGKILLs (or SIGSTOPs: a frozen node whose sockets stay open)
 itself after the forward of step N; the survivors must end on their own with `RankFailureError`.
@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/zero: the shared tiny models
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "zero"))  # tests/zero: the shared tiny models
 from _tiny import SEQ, VOCAB, gpt2, quiet
 
 from ds_plugin.peft_adapters import full_state_dict
+from ds_plugin.runtime.faults import init_distributed
 from ds_plugin.zero import initialize
-from ds_plugin.zero.faults import init_distributed
 
 ROWS, MICRO_BATCH, SAVE_EVERY = 24, 2, 2
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata, TensorStorageMetadata
 
-from ds_plugin.zero.checkpoint import MARKER, CheckpointError, load_checkpoint, read_checkpoint_info, save_checkpoint
+from ds_plugin.checkpoint import MARKER, CheckpointError, load_checkpoint, read_checkpoint_info, save_checkpoint
 
 
 def _mlp(seed: int) -> torch.nn.Sequential:

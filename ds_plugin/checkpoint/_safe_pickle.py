@@ -1,4 +1,4 @@
-"""The restricted unpickler for DCP's `.metadata` (see the pickle guard in `ds_plugin.zero.checkpoint`).
+"""The restricted unpickler for DCP's `.metadata` (see the pickle guard in `ds_plugin.checkpoint.guard`).
 
 DCP writes `.metadata` with `pickle`; a crafted one could run code when unpickled. `MetadataUnpickler` builds only
 what DCP's metadata legitimately holds: DCP's metadata classes (their Enum members also in the

@@ -14,17 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _spawn_ckpt import run_ranks
+from _fsdp_io import load_fsdp
 
+from ds_plugin.checkpoint import MARKER, CheckpointError, load_checkpoint, read_checkpoint_info, save_checkpoint
 from ds_plugin.export import export_checkpoint, export_command
-from ds_plugin.zero.checkpoint import (
-    MARKER,
-    CheckpointError,
-    load_checkpoint,
-    load_fsdp,
-    read_checkpoint_info,
-    save_checkpoint,
-)
+from ds_plugin.launch import run_ranks
 
 
 def _mlp(seed: int, hidden: int = 12) -> torch.nn.Sequential:
@@ -52,9 +46,8 @@ def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dic
 
 def _save_worker(rank: int, n: int, root: str) -> str | None:
     import torch.distributed as dist
+    from _fsdp_io import save_fsdp
     from torch.distributed.checkpoint import FileSystemWriter
-
-    from ds_plugin.zero.checkpoint import save_fsdp
 
     model = _mlp(seed=0)
     _shard(model)
@@ -91,8 +84,6 @@ def _save_worker(rank: int, n: int, root: str) -> str | None:
 
 
 def _load_worker(rank: int, n: int, root: str) -> str:
-    from ds_plugin.zero.checkpoint import load_fsdp
-
     model = _mlp(seed=5)  # different initial weights: the load must overwrite all of them
     _shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
@@ -123,7 +114,7 @@ def _assert_state_equal(got: tuple[dict, dict], ref: tuple[dict, dict]) -> None:
 @pytest.fixture(scope="module")
 def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ckpt4")
-    listing = run_ranks(_save_worker, 4, str(root))[0]
+    listing = run_ranks(_save_worker, 4, root=str(root))[0]
     assert listing == ["ref.pt", "step2", "step3"]  # no temporaries left behind
     return root
 
@@ -133,7 +124,7 @@ def saved_at_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_save_w4_load_w2(saved_at_4: Path) -> None:
     info, _ = read_checkpoint_info(saved_at_4 / "step2")
     assert info["world_size"] == 4 and sum(f.endswith(".distcp") for f in info["files"]) == 4
-    errors = run_ranks(_load_worker, 2, str(saved_at_4))
+    errors = run_ranks(_load_worker, 2, root=str(saved_at_4))
     ref = torch.load(saved_at_4 / "ref.pt", weights_only=False)
     _assert_state_equal(torch.load(saved_at_4 / "loaded_w2.pt", weights_only=False), ref)
     for msg in errors:
@@ -223,9 +214,8 @@ GPT2 = {"vocab_size": 64, "n_positions": 32, "n_embd": 16, "n_layer": 2, "n_head
 
 
 def _gpt2_worker(rank: int, n: int, root: str) -> None:
+    from _fsdp_io import save_fsdp
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from ds_plugin.zero.checkpoint import save_fsdp
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**GPT2, eos_token_id=0))
@@ -251,7 +241,7 @@ def _gpt2_worker(rank: int, n: int, root: str) -> None:
 def test_export_gpt2_to_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoModelForCausalLM
 
-    run_ranks(_gpt2_worker, 2, str(tmp_path))
+    run_ranks(_gpt2_worker, 2, root=str(tmp_path))
     out = export_checkpoint(tmp_path / "gpt", tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())

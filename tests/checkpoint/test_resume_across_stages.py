@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import run_ranks
-from _tiny import gpt2, make_optimizer, quiet, zero_config
+
+from ds_plugin.launch import run_ranks
+from tests.zero._tiny import gpt2, make_optimizer, quiet, zero_config
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def _train(engine, rank: int, world: int, steps: range) -> list[float]:
 
 def _first(rank: int, world: int, ckpt: str) -> list[float]:
     quiet()
-    from ds_plugin.zero.checkpoint import save_checkpoint
+    from ds_plugin.checkpoint import save_checkpoint
     from ds_plugin.zero.setup import initialize
 
     engine = initialize(gpt2(), zero_config(3), make_optimizer("adamw"))
@@ -51,7 +52,7 @@ def _first(rank: int, world: int, ckpt: str) -> list[float]:
 
 def _resume(rank: int, world: int, ckpt: str, stage: int) -> list[float]:
     quiet()
-    from ds_plugin.zero.checkpoint import load_checkpoint
+    from ds_plugin.checkpoint import load_checkpoint
     from ds_plugin.zero.setup import initialize
 
     engine = initialize(gpt2(seed=123), zero_config(stage), make_optimizer("adamw"))  # other init: must be overwritten

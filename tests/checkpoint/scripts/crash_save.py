@@ -1,4 +1,4 @@
-"""SIGKILL a checkpoint save at a chosen phase: the crashing half of tests/zero/test_checkpoint_faults.py.
+"""SIGKILL a checkpoint save at a chosen phase: the crashing half of tests/checkpoint/test_checkpoint_faults.py.
 
     python crash_save.py ROOT SCENARIO [SCENARIO ...]                                  # one process, no dist
     python crash_save.py ROOT SCENARIO --rank R --world 2 --store FILE --kill-rank K   # one of two gloo ranks
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
-import ds_plugin.zero.checkpoint as ckpt
+import ds_plugin.checkpoint.io as ckpt
 
 PHASES = ("shards", "metadata", "marker", "rename", "swap", "swapped")
 
@@ -102,18 +102,17 @@ def _inject(phase: str, workdir: Path) -> None:
             replace(src, dst, *args, **kwargs)
 
         ckpt.os.replace = guarded
-        if hasattr(ckpt, "_exchange"):
-            ckpt._exchange = (lambda a, b: _die()) if phase == "rename" else (lambda a, b: False)
+        ckpt.exchange = (lambda a, b: _die()) if phase == "rename" else (lambda a, b: False)
     elif phase == "swapped":
-        exchange = ckpt._exchange
+        real_exchange = ckpt.exchange
 
         def then_die(a: Path, b: Path) -> bool:
-            done = exchange(a, b)
+            done = real_exchange(a, b)
             (workdir.parent / "exchanged").write_text(json.dumps(done))
             _die()
             return done
 
-        ckpt._exchange = then_die
+        ckpt.exchange = then_die
 
 
 def _save(path: Path, seed: int, shard: Any = None, overwrite: bool = False) -> None:

@@ -12,11 +12,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from _spawn_ckpt import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from ds_plugin.config import CommsLoggerConfig, from_deepspeed
-from ds_plugin.zero.comms_logger import CommsLogger, comms_logger_from_config, get_comms_logger
+from ds_plugin.launch import run_ranks
+from ds_plugin.runtime.comms_logger import CommsLogger, comms_logger_from_config, get_comms_logger
 
 F32 = 4
 

@@ -1,4 +1,4 @@
-"""The directory moves under `ds_plugin.zero.checkpoint`'s crash safety (see "Crash safety" there).
+"""The directory moves under `ds_plugin.checkpoint.io`'s crash safety (see "Crash safety" there).
 
 A checkpoint NAME is written as `.NAME.partial-<id>` and put in place by a rename, or, over an existing NAME, by an
 atomic exchange (Linux `renameat2(RENAME_EXCHANGE)`) or else two renames through `.NAME.old-<id>`.
@@ -58,7 +58,7 @@ def interrupted_swap(final: Path, marker: str) -> Path | None:
 
     That is a `.NAME.old-*` that still has its marker while NAME is missing. A finished swap deletes the old
     directory's marker before the rest, so a crash while deleting it cannot bring it back. The `.NAME.partial-*`
-    of the interrupted save is not needed: something else may have cleared it (`ds_plugin.zero.resume` does).
+    of the interrupted save is not needed: something else may have cleared it (`ds_plugin.checkpoint.layout` does).
     """
     if final.exists() or final.is_symlink():
         return None
@@ -67,12 +67,17 @@ def interrupted_swap(final: Path, marker: str) -> Path | None:
     return max(olds, key=lambda p: (p / marker).stat().st_mtime, default=None)
 
 
-def remove(path: Path) -> None:
-    """Delete a file, link or directory tree; what cannot be deleted stays for the next save to retry."""
-    if path.is_symlink() or path.is_file():  # a `save_last="link"` symlink: the link goes, not its target
+def remove(path: Path, *, ignore_errors: bool = True) -> None:
+    """Delete a file, link or directory tree; by default what cannot be deleted stays for the next save to retry.
+
+    Args:
+        path: what to delete; a symlink (Lightning's `save_last="link"`) loses the link, not its target.
+        ignore_errors: False to raise what the deletion hit (a missing `path` is never an error).
+    """
+    if path.is_symlink() or path.is_file():
         path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""SIGKILL during `save_checkpoint`, at each of its phases, in real processes (tests/zero/scripts/crash_save.py).
+"""SIGKILL during `save_checkpoint`, at each of its phases, in real processes (tests/checkpoint/scripts/crash_save.py).
 
 Wherever the kill lands, the name still holds a complete checkpoint: the previous one (A), bit-identical, until
 the new one (B) is in place; the temporary directories of the unfinished save are refused as incomplete, in one
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from ds_plugin.zero.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_info, save_checkpoint
+from ds_plugin.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_info, save_checkpoint
 
 SCRIPT = Path(__file__).parent / "scripts" / "crash_save.py"
 # TARGET:PHASE, see the script: B saved over A (`same`, overwrite=True) or next to it (`new`). Phases: shards and
@@ -83,10 +83,10 @@ def _check_after_crash(workdir: Path, target: str, phase: str, caplog: pytest.Lo
     ref_a, ref_b = (torch.load(workdir / f"ref_{x}.pt", weights_only=True) for x in "AB")
     # After the exchange the save is complete: B is the checkpoint. Before it, and on every other path, A is.
     exchanged = (workdir / "exchanged").is_file() and json.loads((workdir / "exchanged").read_text())
-    if phase == "swap":  # A is in `.ck.old-*`; the recovery must not need B's `.ck.partial-*`, which resume.py clears
+    if phase == "swap":  # A is in `.ck.old-*`; the recovery must not need B's `.ck.partial-*`, which layout.py clears
         for partial in ckpts.glob(".ck.partial-*"):
             shutil.rmtree(partial)
-    with caplog.at_level(logging.WARNING, logger="ds_plugin.zero.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ds_plugin.checkpoint"):
         _assert_same(_load(ckpts / "ck", ref_a), ref_b if exchanged else ref_a, "ck")
     if phase == "swap":  # read from where the interrupted save had moved it
         assert ".ck.old-" in caplog.text and "interrupted" in caplog.text, caplog.text
@@ -164,9 +164,9 @@ def test_overwrite_by_two_renames_where_there_is_no_atomic_exchange(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fallback's own successful path: B in place, A's `.ck.old-*` gone, nothing else left."""
-    import ds_plugin.zero.checkpoint as ckpt
+    import ds_plugin.checkpoint.io as ckpt
 
-    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(ckpt, "exchange", lambda a, b: False)
     a, b = {"w": torch.zeros(3)}, {"w": torch.arange(3.0)}
     save_checkpoint(tmp_path / "ck", model_state=a)
     save_checkpoint(tmp_path / "ck", model_state=b, overwrite=True)

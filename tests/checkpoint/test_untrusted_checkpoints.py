@@ -28,8 +28,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ds_plugin.export import export_checkpoint
-from ds_plugin.zero.checkpoint import (
+from ds_plugin.checkpoint import (
     MARKER,
     CheckpointError,
     load_checkpoint,
@@ -37,6 +36,7 @@ from ds_plugin.zero.checkpoint import (
     read_checkpoint_info,
     save_checkpoint,
 )
+from ds_plugin.export import export_checkpoint
 
 
 class _Touch:
@@ -235,7 +235,7 @@ def _encoded(state: Any) -> str:
 def test_lightning_fit_and_validate_refuse_forged_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lightning_process: None
 ) -> None:
-    from ds_plugin.strategies import _checkpoint
+    from ds_plugin.checkpoint import engine_state
 
     pwned = tmp_path / "PWNED"
     Tiny, data, trainer = _lightning()
@@ -245,13 +245,13 @@ def test_lightning_fit_and_validate_refuse_forged_checkpoints(
     t.save_checkpoint(good)
 
     # The optimizer's learning rate replaced by a payload, in the shard (the marker written by the save itself).
-    real_save = _checkpoint.save_dcp
+    real_save = engine_state.save_checkpoint
 
     def with_payload(path: Any, **kwargs: Any) -> Any:
         kwargs["optimizer_state"]["param_groups"][0]["lr"] = _Touch(pwned)
         return real_save(path, **kwargs)
 
-    monkeypatch.setattr(_checkpoint, "save_dcp", with_payload)
+    monkeypatch.setattr(engine_state, "save_checkpoint", with_payload)
     t.save_checkpoint(tmp_path / "hparam.ckpt")
     monkeypatch.undo()
     lr = _item_bytes(tmp_path / "hparam.ckpt", "optim.param_groups.0.lr")

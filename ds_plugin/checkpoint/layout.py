@@ -1,17 +1,17 @@
 """DeepSpeed's checkpoint layout for the engine API: `save_dir/<tag>/` per save, and `save_dir/latest` naming one.
 
 `ZeroEngine.save_checkpoint(save_dir, tag, client_state)` writes `save_dir/<tag>` (default tag
-`global_step<N>`, as DeepSpeed names it) through `ds_plugin.zero.checkpoint` — atomic, so a crash mid-save leaves
+`global_step<N>`, as DeepSpeed names it) through `save_engine_checkpoint` — atomic, so a crash mid-save leaves
 only a hidden `.<tag>.partial-*` directory beside the older checkpoints — and then replaces `latest` atomically.
 `ZeroEngine.load_checkpoint(save_dir)` loads `latest_checkpoint(save_dir)`: the checkpoint `latest` names when it is
 complete, else the complete one with the most optimizer steps; partial and damaged directories are reported and
 never loaded. `client_state` is the caller's own JSON (epoch, position in the data, ...): JSON keeps a
-checkpoint from carrying code, and it is what a loop needs to continue on the same batch.
+checkpoint from carrying code, and it is what a loop needs to continue on the same batch. What a load restores
+(weights, optimizer, counters) is `ds_plugin.checkpoint.engine_state`'s rule.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -19,16 +19,9 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ds_plugin.zero.checkpoint import (  # and its no-op-without-torch.distributed collective helpers
-    MARKER,
-    CheckpointError,
-    _from_rank0,
-    _rank,
-    load_checkpoint,
-    model_metadata,
-    read_checkpoint_info,
-    save_checkpoint,
-)
+from ds_plugin.checkpoint.engine_state import client_json, load_engine_checkpoint, save_engine_checkpoint
+from ds_plugin.checkpoint.guard import MARKER, CheckpointError, read_checkpoint_info
+from ds_plugin.checkpoint.io import from_rank0, on_rank0
 
 if TYPE_CHECKING:
     from ds_plugin.zero.engine import ZeroEngine
@@ -38,10 +31,6 @@ __all__ = ["LATEST", "latest_checkpoint", "load_engine_dir", "save_engine_dir"]
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
-
-
-def _rank0() -> bool:
-    return _rank() == 0
 
 
 def _check_tag(tag: str) -> str:
@@ -124,33 +113,19 @@ def save_engine_dir(
     """`ZeroEngine.save_checkpoint`: weights, optimizer, engine counters and `client_state` to `save_dir/<tag>`."""
     root = Path(save_dir)
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    try:
-        client = json.loads(json.dumps(client_state or {}))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"client_state must be JSON (numbers, strings, lists, dicts): {e}; convert tensors with .tolist()"
-        ) from None
-    extra = {
-        **model_metadata(engine.module),
-        "engine": engine.engine_state_dict(),
-        "ds_config": engine.config.to_deepspeed(include_ignored=False),
-        "client_state": client,
-    }
-    if _rank0():  # the run's own directory: partial saves a crash left behind (any tag) go now
+    client = client_json(client_state)  # refused before anything is touched
+    if on_rank0():  # the run's own directory: partial saves a crash left behind (any tag) go now
         for stale in root.glob(".*.partial-*") if root.is_dir() else ():
             shutil.rmtree(stale, ignore_errors=True)
-    optimizer_state = engine.optimizer_state_dict() if engine.optimizer is not None else None
-    path = save_checkpoint(
-        root / tag, model_state=engine.model_state_dict(), optimizer_state=optimizer_state, extra=extra, overwrite=True
-    )
+    path = save_engine_checkpoint(root / tag, engine, client_state=client)
     if save_latest:
         err = None
-        if _rank0():
+        if on_rank0():
             try:
                 _write_latest(root, tag)
             except OSError as e:
                 err = f"saved {path} but could not update {root / LATEST}: {e}"
-        err = _from_rank0(err)
+        err = from_rank0(err)
         if err:
             raise CheckpointError(err)
     return path
@@ -167,25 +142,14 @@ def load_engine_dir(
     """`ZeroEngine.load_checkpoint`: returns (the directory loaded, its client_state), or (None, {}) if none."""
     root = Path(load_dir)
     if tag is None:
-        found = latest_checkpoint(root) if _rank0() else None
-        path = _from_rank0(None if found is None else str(found))
+        found = latest_checkpoint(root) if on_rank0() else None
+        path = from_rank0(None if found is None else str(found))
         if path is None:
-            if _rank0():
+            if on_rank0():
                 logger.warning("no complete checkpoint in %s; nothing loaded", root)
             return None, {}
         path = Path(path)
     else:
         path = root / _check_tag(tag)
-    info, _ = read_checkpoint_info(path)
-    extra = info.get("extra", {})
-    with_optimizer = load_optimizer_states and not load_module_only and bool(info.get("has_optimizer"))
-    with_optimizer = with_optimizer and engine.optimizer is not None
-    model_state = engine.model_state_dict()
-    optimizer_state = engine.optimizer_state_dict() if with_optimizer else None
-    load_checkpoint(path, model_state=model_state, optimizer_state=optimizer_state)
-    engine.load_model_state_dict(model_state)
-    if optimizer_state is not None:
-        engine.load_optimizer_state_dict(optimizer_state)
-    if not load_module_only and extra.get("engine"):
-        engine.load_engine_state_dict(extra["engine"])
-    return path, dict(extra.get("client_state") or {})
+    loaded = load_engine_checkpoint(path, engine, optimizer=load_optimizer_states, module_only=load_module_only)
+    return path, loaded.client_state
