@@ -1,18 +1,14 @@
-"""What the adapters need to know about a framework's model and schedulers: the transformers models inside a
-LightningModule (for exports), and LR schedulers that must follow the optimizer the engine rebuilt.
-
-Shared by the Lightning Trainer and Fabric adapters; each function maps a framework situation onto the engine.
+"""What the adapters need to know about a framework's model: the transformers models inside a LightningModule (for
+exports).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
 
-import torch
 from torch import nn
 
-__all__ = ["hf_models", "repoint_scheduler"]
+__all__ = ["hf_models"]
 
 
 def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -30,27 +26,3 @@ def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
         if isinstance(m, PreTrainedModel) and not any(name.startswith(f"{outer}.") for outer, _ in found):
             found.append((name, m))
     return found
-
-
-def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Point an LR scheduler built on the user's optimizer at the one the engine rebuilt (stages 0/1).
-
-    Args:
-        scheduler: a torch LR scheduler (or any object with an `optimizer` attribute).
-        optimizer: the engine's optimizer.
-    """
-    old = getattr(scheduler, "optimizer", None)
-    if old is None or old is optimizer:
-        return
-    scheduler.optimizer = optimizer
-    # torch's LRScheduler wraps `optimizer.step` at construction to warn when it is stepped out of order;
-    # the rebuilt optimizer needs the same marker or the first scheduler step warns spuriously.
-    if getattr(old.step, "_wrapped_by_lr_sched", False) and not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        step = optimizer.step
-
-        def tracked_step(*args: Any, **kwargs: Any) -> Any:
-            optimizer._opt_called = True
-            return step(*args, **kwargs)
-
-        tracked_step._wrapped_by_lr_sched = True
-        optimizer.step = tracked_step
