@@ -90,12 +90,12 @@ def _ds_plugin_engine(
 ) -> tuple[Any, dict[str, Any]]:
     from ds_plugin import initialize
     from ds_plugin.presets import get_preset
+    from ds_plugin.zero.plan import resolve_plan
     from ds_plugin.zero.zeropp import zeropp_stats
 
     preset, overrides = PRESETS[name]
-    config = get_preset(preset, bf16={"enabled": True}, host_memory_reuse=reuse, **overrides).resolve(
-        world_size=dist.get_world_size(), ranks_per_node=ranks_per_node
-    )
+    config = get_preset(preset, bf16={"enabled": True}, host_memory_reuse=reuse, **overrides)
+    config = resolve_plan(config, world_size=dist.get_world_size(), ranks_per_node=ranks_per_node).config
     engine = initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=lr))
     info: dict[str, Any] = {
         "hpz_partition_size": config.zero_optimization.hpz_partition_size,

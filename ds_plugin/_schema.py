@@ -246,6 +246,20 @@ def parse_section(cls: type, data: Any, path: str, ignored_out: dict[str, tuple[
         raise ConfigError(msg if not path or msg.startswith(path) else f"{path}.{msg}") from None
 
 
+def written_fields(cls: type, data: Mapping[str, Any]) -> frozenset[str]:
+    """The field names of `cls` that the keys of `data` (canonical or alias) set; unknown and ignored keys are left out.
+
+    Args:
+        cls: a dataclass made with `option` fields.
+        data: the section's JSON object, already valid for `parse_section`.
+    """
+    by_key = {}
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("internal"):
+            by_key.update(dict.fromkeys((json_key(f), *f.metadata.get("aliases", ())), f.name))
+    return frozenset(by_key[k] for k in data if k in by_key)
+
+
 def emit_section(obj: Any) -> dict[str, Any]:
     """The inverse of `parse_section`: a JSON-ready dict with the canonical DeepSpeed key names."""
     out: dict[str, Any] = {}

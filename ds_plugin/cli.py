@@ -74,7 +74,11 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         # json and PyYAML parse nested containers recursively: a file nested thousands deep is hostile input.
         raise UsageError(f"{args.file}: nested too deeply to read; is it a DeepSpeed config?") from None
     if args.world_size is not None:
-        cfg = cfg.resolve(world_size=args.world_size, ranks_per_node=args.ranks_per_node)
+        from ds_plugin.zero.plan import resolve_plan
+
+        # The launch's own resolution, without a framework: "auto" values a framework fills take DeepSpeed's defaults.
+        world = args.world_size
+        cfg = resolve_plan(cfg, world_size=world, ranks_per_node=args.ranks_per_node or world, check_only=True).config
     print(json.dumps(cfg.to_deepspeed(include_ignored=False), indent=2))
     ignored = cfg.ignored_keys()
     if ignored:

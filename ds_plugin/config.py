@@ -3,7 +3,11 @@
 `from_deepspeed(dict | path)` reads a DeepSpeed config unchanged (old key spellings included) and
 `TrainingConfig.to_deepspeed()` writes it back. Defaults are DeepSpeed 0.19's. Keys DeepSpeed knows but
 that mean nothing on FSDP2 are accepted and listed by `ignored_keys()` with the reason. Anything else
-wrong fails at parse time with a `ConfigError` that names the dotted key.
+wrong fails at parse time with a `ConfigError` that names the dotted key. The top-level keys the user wrote are
+recorded (`explicit_keys`), so a framework fills only what the user left out.
+
+This is the schema only: values that depend on the world size or the framework ("auto", batch sizes, the hpZ
+group) are resolved by `ds_plugin.zero.plan.resolve_plan`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Literal
 
 from ds_plugin._config_file import read_config_file
 from ds_plugin._ignored_keys import DS_RUNTIME_ONLY, FSDP_BUCKETS, TOP_LEVEL_IGNORED, ZERO_IGNORED
-from ds_plugin._schema import AUTO, ConfigError, emit_section, option, parse_section
+from ds_plugin._schema import AUTO, ConfigError, emit_section, option, parse_section, written_fields
 
 __all__ = [
     "AUTO",
@@ -270,7 +274,9 @@ class ZeroConfig:
     def hpz_partition_size(self) -> int:
         """The hpZ group size as an int (1 = off); "auto" must be resolved first."""
         if self.zero_hpz_partition_size == AUTO:
-            raise ConfigError('zero_optimization.zero_hpz_partition_size: "auto" is not resolved; call resolve()')
+            raise ConfigError(
+                'zero_optimization.zero_hpz_partition_size: "auto" is not resolved; call ds_plugin.zero.resolve_plan'
+            )
         return max(1, int(self.zero_hpz_partition_size))
 
 
@@ -328,6 +334,14 @@ class TrainingConfig:
     ignored: Mapping[str, tuple[Any, str]] = dataclasses.field(
         default_factory=dict, compare=False, metadata={"internal": True, "doc": "keys accepted without effect"}
     )
+    explicit_keys: frozenset[str] = dataclasses.field(
+        default=None,  # type: ignore[assignment]  # filled in __post_init__
+        compare=False,
+        metadata={"internal": True, "doc": "top-level keys the user chose"},
+    )
+    """The top-level fields the user chose: the keys written in the parsed config (`from_deepspeed`), the fields given
+    to `replace`, or, for a config built in code, the fields set away from their defaults. A framework fills the
+    others (see `ds_plugin.zero.plan.FrameworkSettings`)."""
 
     IGNORED_KEYS = TOP_LEVEL_IGNORED
 
@@ -344,7 +358,15 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ConfigError("fp16.enabled: fp16 and bf16 are both enabled; enable only one")
-        _check_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, None)
+        tb, mb, ga = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if AUTO not in (tb, mb, ga) and tb is not None and mb is not None and tb % (mb * (ga or 1)):
+            # The part of DeepSpeed's batch rule that holds at any world size; the rest is `resolve_plan`'s.
+            raise ConfigError(
+                f"train_batch_size: {tb} is not a multiple of train_micro_batch_size_per_gpu x "
+                f"gradient_accumulation_steps = {mb * (ga or 1)}"
+            )
+        if self.explicit_keys is None:
+            object.__setattr__(self, "explicit_keys", _non_default_fields(self))
 
     # ------------------------------------------------------------------ reading the config
 
@@ -360,7 +382,7 @@ class TrainingConfig:
         if self.bf16.enabled is True:
             return "bf16"
         if AUTO in (self.fp16.enabled, self.bf16.enabled):
-            raise ConfigError('fp16.enabled: "auto" is not resolved; call resolve(precision=...)')
+            raise ConfigError('fp16.enabled: "auto" is not resolved; call ds_plugin.zero.resolve_plan')
         return "fp32"
 
     @property
@@ -388,8 +410,9 @@ class TrainingConfig:
     # ------------------------------------------------------------------ changing it
 
     def replace(self, **sections: Any) -> TrainingConfig:
-        """A copy with fields replaced; nested sections may be given as dicts of overrides."""
-        changes = {}
+        """A copy with fields replaced (they count as chosen: `explicit_keys`); nested sections may be given as dicts
+        of overrides."""
+        changes: dict[str, Any] = {"explicit_keys": self.explicit_keys | frozenset(sections)}
         for name, value in sections.items():
             current = getattr(self, name)
             if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
@@ -397,97 +420,6 @@ class TrainingConfig:
                 value = parse_section(type(current), merged, name)
             changes[name] = value
         return dataclasses.replace(self, **changes)
-
-    def resolve(
-        self,
-        *,
-        world_size: int | None = None,
-        ranks_per_node: int | None = None,
-        micro_batch_size: int | None = None,
-        gradient_accumulation_steps: int | None = None,
-        gradient_clipping: float | None = None,
-        precision: DType | None = None,
-    ) -> TrainingConfig:
-        """Fill "auto" values from the framework and check what needs the world size.
-
-        Args:
-            world_size: number of data-parallel ranks; checks batch sizes and the hpZ group size.
-            ranks_per_node: ranks on one node; resolves an "auto" hpZ partition size.
-            micro_batch_size / gradient_accumulation_steps / gradient_clipping: the framework's values,
-                used where the config says "auto" (as the transformers integration does).
-            precision: "fp32", "fp16" or "bf16", used where fp16/bf16.enabled is "auto".
-        """
-        cfg = self
-        mb = _pick(cfg.train_micro_batch_size_per_gpu, micro_batch_size)
-        ga = _pick(cfg.gradient_accumulation_steps, gradient_accumulation_steps)
-        tb = cfg.train_batch_size
-        if tb == AUTO:
-            tb = None
-        clip = cfg.gradient_clipping
-        if clip == AUTO:
-            clip = 1.0 if gradient_clipping is None else float(gradient_clipping)
-        tb, mb, ga = _check_batch(tb, mb, ga, world_size)
-        fp16 = cfg.fp16
-        bf16 = cfg.bf16
-        if AUTO in (fp16.enabled, bf16.enabled):
-            fp16 = dataclasses.replace(fp16, enabled=(precision == "fp16") if fp16.enabled == AUTO else fp16.enabled)
-            bf16 = dataclasses.replace(bf16, enabled=(precision == "bf16") if bf16.enabled == AUTO else bf16.enabled)
-            if fp16.enabled is True and bf16.enabled is True:
-                raise ConfigError("fp16.enabled: fp16 and bf16 are both enabled; enable only one")
-        zero = cfg.zero_optimization
-        hpz = zero.zero_hpz_partition_size
-        if hpz == AUTO and (ranks_per_node or world_size):
-            hpz = ranks_per_node or world_size
-        if world_size is not None and hpz != AUTO and int(hpz) > 1:
-            if world_size % int(hpz) or int(hpz) > world_size:
-                raise ConfigError(
-                    f"zero_optimization.zero_hpz_partition_size: {hpz} does not divide the world size {world_size}; "
-                    "use a divisor of the world size (usually the ranks per node)"
-                )
-        zero = dataclasses.replace(zero, zero_hpz_partition_size=hpz)
-        resolved = dataclasses.replace(
-            cfg,
-            train_batch_size=tb,
-            train_micro_batch_size_per_gpu=mb,
-            gradient_accumulation_steps=ga,
-            gradient_clipping=clip,
-            fp16=fp16,
-            bf16=bf16,
-            zero_optimization=zero,
-        )
-        resolved.check_fp8_all_gather(world_size)
-        return resolved
-
-    def check_fp8_all_gather(self, world_size: int | None = None) -> None:
-        """Refuse `fp8.all_gather` where it cannot act: without FP8 layers, below stage 3, or with hpZ.
-
-        Checked when the config is resolved and by `apply_zero`, not at parse time: a precision plugin fills the
-        `fp8` block before the strategy sets the stage.
-
-        Args:
-            world_size: the data-parallel world size, if known (an hpZ group of all ranks is plain stage 3).
-
-        Raises:
-            ConfigError: one line naming the conflict and the fix.
-        """
-        if not self.fp8.all_gather:
-            return
-        if not self.fp8.enabled:
-            raise ConfigError(
-                "fp8.all_gather: needs fp8.enabled (it gathers the weights of the FP8 layers); "
-                "set fp8.enabled to true or turn fp8.all_gather off"
-            )
-        if self.stage != 3:
-            raise ConfigError(
-                f"fp8.all_gather: needs zero_optimization.stage 3 (stage {self.stage} does not gather sharded "
-                "weights for every forward); set stage to 3 or turn fp8.all_gather off"
-            )
-        hpz = self.zero_optimization.zero_hpz_partition_size
-        if hpz != AUTO and int(hpz) > 1 and (world_size is None or int(hpz) < world_size):
-            raise ConfigError(
-                f"fp8.all_gather: cannot combine with zero_optimization.zero_hpz_partition_size {hpz} (FSDP2 has no "
-                "FP8 path for hpZ's secondary shard); set zero_hpz_partition_size to 1 or turn fp8.all_gather off"
-            )
 
     # ------------------------------------------------------------------ I/O
 
@@ -509,10 +441,10 @@ class TrainingConfig:
         return out
 
 
-def _pick(config_value: Any, framework_value: int | None) -> Any:
-    if config_value == AUTO:
-        return framework_value
-    return config_value
+def _non_default_fields(config: TrainingConfig) -> frozenset[str]:
+    default = TrainingConfig(explicit_keys=frozenset())
+    fields = [f.name for f in dataclasses.fields(config) if not f.metadata.get("internal")]
+    return frozenset(k for k in fields if getattr(config, k) != getattr(default, k))
 
 
 def _walk(d: Mapping[str, Any], prefix: str = ""):
@@ -522,48 +454,6 @@ def _walk(d: Mapping[str, Any], prefix: str = ""):
             yield from _walk(v, key)
         else:
             yield key, v
-
-
-def _check_batch(tb: Any, mb: Any, ga: Any, world: int | None) -> tuple[Any, Any, Any]:
-    """DeepSpeed's rule: train_batch_size = micro x accumulation x world; any two (with the world) give the third."""
-    if AUTO in (tb, mb, ga):
-        return tb, mb, ga
-    if world is None:
-        if tb is not None and mb is not None and tb % (mb * (ga or 1)):
-            raise ConfigError(
-                f"train_batch_size: {tb} is not a multiple of train_micro_batch_size_per_gpu x "
-                f"gradient_accumulation_steps = {mb * (ga or 1)}"
-            )
-        return tb, mb, ga
-    if world < 1:
-        raise ConfigError(f"world size {world} must be at least 1")
-    if tb is not None and mb is not None and ga is not None:
-        if tb != mb * ga * world:
-            raise ConfigError(
-                f"train_batch_size: {tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {ga} "
-                f"x world size {world} = {mb * ga * world}; fix one of the three or drop train_batch_size"
-            )
-    elif tb is not None and mb is not None:
-        if tb % (mb * world):
-            raise ConfigError(
-                f"train_batch_size: {tb} is not divisible by train_micro_batch_size_per_gpu {mb} x world size {world}"
-            )
-        ga = tb // (mb * world)
-    elif tb is not None and ga is not None:
-        if tb % (ga * world):
-            raise ConfigError(
-                f"train_batch_size: {tb} is not divisible by gradient_accumulation_steps {ga} x world size {world}"
-            )
-        mb = tb // (ga * world)
-    elif tb is not None:
-        ga = 1
-        if tb % world:
-            raise ConfigError(f"train_batch_size: {tb} is not divisible by the world size {world}")
-        mb = tb // world
-    elif mb is not None:
-        ga = ga or 1
-        tb = mb * ga * world
-    return tb, mb, ga
 
 
 def from_deepspeed(config: Mapping[str, Any] | str | os.PathLike | TrainingConfig) -> TrainingConfig:
@@ -581,4 +471,4 @@ def from_deepspeed(config: Mapping[str, Any] | str | os.PathLike | TrainingConfi
         config = read_config_file(Path(config))
     ignored: dict[str, tuple[Any, str]] = {}
     cfg = parse_section(TrainingConfig, config, "", ignored)
-    return dataclasses.replace(cfg, ignored=ignored)
+    return dataclasses.replace(cfg, ignored=ignored, explicit_keys=written_fields(TrainingConfig, config))

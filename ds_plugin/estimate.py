@@ -91,19 +91,6 @@ def lora_model_state_bytes(trainable: float, frozen_bytes: float, world_size: in
     return zero_model_state_bytes(trainable, world_size, stage) + frozen_bytes / shards
 
 
-def frozen_state_bytes(frozen_params: float, world_size: int, stage: int, fmt: str) -> float:
-    """Per-rank bytes of frozen (non-trainable) weights all stored in `fmt`: storage only, sharded at stages 2-3.
-
-    Args:
-        frozen_params: frozen parameter count.
-        world_size: data-parallel ranks N.
-        stage: 0, 1, 2 or 3.
-        fmt: one of FROZEN_FORMATS (default group size).
-    """
-    per = frozen_bytes_per_element(fmt) * float(frozen_params)
-    return per / world_size if stage >= 2 else per
-
-
 @dataclass(frozen=True)
 class LinearShape:
     """One Linear weight of a decoder layer: (out_features, in_features), and the LoRA target names it answers to.

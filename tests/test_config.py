@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from ds_plugin.config import AUTO, ConfigError, TrainingConfig, from_deepspeed
-from ds_plugin.presets import PRESETS, get_preset
+from ds_plugin.presets import PRESETS, get_preset, load_config
+from ds_plugin.zero.plan import FrameworkSettings, resolve_plan
 
 CONFIGS = Path(__file__).parent / "configs"
 GOOD = sorted(CONFIGS.glob("*.json")) + sorted(CONFIGS.glob("*.yaml"))
@@ -143,9 +144,8 @@ def test_auto_values_are_kept_then_resolved():
     cfg = from_deepspeed(CONFIGS / "hf_trainer_zero3_auto.json")
     assert cfg.train_micro_batch_size_per_gpu == AUTO and cfg.gradient_clipping == AUTO
     assert "fp16.enabled" in cfg.unresolved()
-    r = cfg.resolve(
-        world_size=4, micro_batch_size=2, gradient_accumulation_steps=3, gradient_clipping=0.5, precision="bf16"
-    )
+    fw = FrameworkSettings(owner="T", precision="bf16", micro_batch_size=2, accumulation=3, clip=0.5)
+    r = resolve_plan(cfg, world_size=4, framework=fw).config
     assert (r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps, r.train_batch_size) == (2, 3, 24)
     assert r.gradient_clipping == 0.5 and r.compute_dtype == "bf16" and r.fp16.enabled is False
     # Bucket sizes stay "auto": they have no effect here, so nothing needs their value.
@@ -176,7 +176,7 @@ def test_batch_size_any_two_determine_the_third(tb, mb, ga, world, expect):
         )
         if v is not None
     }
-    r = from_deepspeed(raw).resolve(world_size=world)
+    r = resolve_plan(from_deepspeed(raw), world_size=world).config
     assert (r.train_batch_size, r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps) == expect
 
 
@@ -185,15 +185,15 @@ def test_inconsistent_batch_sizes_fail_once_world_size_is_known():
         {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
     )
     with pytest.raises(ConfigError, match="train_batch_size"):
-        cfg.resolve(world_size=2)
+        resolve_plan(cfg, world_size=2)
 
 
 def test_hpz_must_divide_world_size():
     cfg = from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}})
-    assert cfg.resolve(world_size=8).zero_optimization.hpz_partition_size == 4
+    assert resolve_plan(cfg, world_size=8).config.zero_optimization.hpz_partition_size == 4
     with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
-        cfg.resolve(world_size=6)
-    auto = get_preset("zeropp").resolve(world_size=8, ranks_per_node=4)
+        resolve_plan(cfg, world_size=6)
+    auto = resolve_plan("zeropp", world_size=8, ranks_per_node=4).config
     assert auto.zero_optimization.hpz_partition_size == 4
 
 
@@ -219,3 +219,51 @@ def test_config_is_frozen_and_replace_validates():
     with pytest.raises(ConfigError, match=r"zero_optimization\.stage"):
         cfg.replace(zero_optimization={"stage": 7})
     assert isinstance(cfg.replace(gradient_clipping=0.0), TrainingConfig)
+
+
+def test_the_keys_the_user_chose_are_recorded_when_the_config_is_read(tmp_path):
+    # Canonical names, aliases mapped; a key written at its default value still counts (the user chose it).
+    written = from_deepspeed({"bfloat16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10})
+    assert written.explicit_keys == {"bf16", "gradient_clipping"}
+    assert from_deepspeed({}).explicit_keys == frozenset()
+    # A config built in code: the fields set away from DeepSpeed's defaults; `replace` adds what it sets.
+    assert TrainingConfig(gradient_accumulation_steps=4).explicit_keys == {"gradient_accumulation_steps"}
+    assert written.replace(gradient_accumulation_steps=2).explicit_keys == {"bf16", "gradient_clipping",
+                                                                            "gradient_accumulation_steps"}  # fmt: skip
+    # Every reader of a config source records the same: presets, files, dicts, overrides, and a config plus overrides.
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}))
+    assert load_config(str(path)).explicit_keys == {"gradient_accumulation_steps", "zero_optimization"}
+    assert load_config("zero3").explicit_keys == {"zero_optimization"}
+    merged = load_config("zero3", {"zero_optimization": {"offload_param": {"device": "cpu"}}, "gradient_clipping": 1})
+    assert merged.stage == 3 and merged.zero_optimization.offload_param.device == "cpu"  # merged one level deep
+    assert merged.explicit_keys == {"zero_optimization", "gradient_clipping"}
+    assert load_config(written, {"zero_optimization": {"stage": 1}}).explicit_keys == {
+        "bf16", "gradient_clipping", "zero_optimization"}  # fmt: skip
+    # The record is not part of the value: a round trip through DeepSpeed JSON (every key written) is equal.
+    assert from_deepspeed(written.to_deepspeed()) == written
+
+
+def test_an_unknown_override_names_its_owner_and_the_closest_key():
+    with pytest.raises(ConfigError, match=r"^Owner: unknown option 'gradient_clip'; did you mean 'gradient_clipping'"):
+        load_config("zero3", {"gradient_clip": 1.0}, owner="Owner")
+    with pytest.raises(ConfigError, match=r"it is a ZeRO setting, pass zero_optimization=\{'stage': \.\.\.\}"):
+        load_config("zero3", {"stage": 2}, owner="Owner")
+    with pytest.raises(ConfigError, match="did you mean 'zero3'"):
+        load_config("zero33", owner="Owner")
+
+
+def test_check_config_world_size_resolves_through_the_plan(tmp_path, capsys):
+    from ds_plugin.cli import main
+
+    # The launch's resolution: hpZ "auto" from --ranks-per-node, its divisibility and the batch rule checked.
+    assert main(["check-config", "zeropp", "--world-size", "16", "--ranks-per-node", "8"]) == 0
+    out = json.loads(capsys.readouterr().out.split("\n\n")[0])
+    assert out["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert main(["check-config", "zeropp", "--world-size", "6", "--ranks-per-node", "4"]) == 2
+    assert "zero_hpz_partition_size: 4 does not divide the world size 6" in capsys.readouterr().err
+    # "auto" values a framework would fill are not an error here (a launch fills them): DeepSpeed's defaults.
+    path = CONFIGS / "hf_trainer_zero3_auto.json"
+    assert main(["check-config", str(path), "--world-size", "4"]) == 0
+    out = json.loads(capsys.readouterr().out.split("\n\n")[0])
+    assert (out["gradient_clipping"], out["fp16"]["enabled"], out["bf16"]["enabled"]) == (1.0, False, False)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from ds_plugin.cli import main
 from ds_plugin.config import ConfigError, from_deepspeed
+from ds_plugin.zero.plan import FrameworkSettings, resolve_plan
 
 # (config, text the error must contain)
 BAD = [
@@ -187,7 +188,8 @@ def _only_config_errors(value):
     # Whatever parses must also write back and parse again.
     assert from_deepspeed(cfg.to_deepspeed()) == cfg
     try:
-        cfg.resolve(world_size=4, micro_batch_size=2, gradient_accumulation_steps=1, precision="bf16")
+        fw = FrameworkSettings(owner="fuzz", precision="bf16", micro_batch_size=2, accumulation=1)
+        resolve_plan(cfg, world_size=4, framework=fw)
     except ConfigError:
         pass
 

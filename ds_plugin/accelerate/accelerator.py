@@ -35,16 +35,14 @@ from torch.utils.data import DataLoader
 from ds_plugin.accelerate.checkpoint import EngineCheckpointing
 from ds_plugin.accelerate.optimizer import ZeroAcceleratedOptimizer
 from ds_plugin.accelerate.plugin import ZeroPlugin
-from ds_plugin.accelerate.settings import config_with_precision, describe_plan, framework_settings, refuse_other_engines
+from ds_plugin.accelerate.settings import describe_plan, framework_settings, refuse_other_engines
 from ds_plugin.config import ConfigError
 from ds_plugin.runtime.faults import default_timeout
-from ds_plugin.strategies._config import batch_size
-from ds_plugin.strategies._model import repoint_scheduler
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
 from ds_plugin.zero.mesh import data_parallel_mesh
-from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, resolve_plan
-from ds_plugin.zero.setup import has_meta, setup_zero
+from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, dataloader_batch_size, resolve_plan
+from ds_plugin.zero.setup import has_meta, repoint_scheduler, setup_zero
 
 __all__ = ["Accelerator"]
 
@@ -130,7 +128,7 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         mesh = self._mesh()
         if self._plan is None:
             self._plan = resolve_plan(
-                config_with_precision(self.zero_plugin.training_config, self.state.mixed_precision),
+                self.zero_plugin.training_config,
                 world_size=mesh.size(),
                 device_type=mesh.device_type,
                 framework=self._framework(),
@@ -294,7 +292,7 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
             kwargs: passed to Accelerate (`slice_fn_for_dispatch`).
         """
         if self._micro_batch is None and not getattr(data_loader, "_is_accelerate_prepared", False):
-            size = batch_size(data_loader)
+            size = dataloader_batch_size(data_loader)
             if size:
                 self._micro_batch = max(1, size // self.num_processes) if self.split_batches else size
         return super().prepare_data_loader(data_loader, device_placement=device_placement, **kwargs)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ds_plugin.config import ConfigError, TrainingConfig
-from ds_plugin.strategies._config import ConfigSource, load_strategy_config
+from ds_plugin.presets import ConfigSource, load_config
 
 __all__ = ["CONFIG_ENV", "ZeroPlugin"]
 
@@ -88,9 +88,7 @@ class ZeroPlugin:
                 f"ZeroPlugin: gradient_accumulation_steps={self.gradient_accumulation_steps}; it must be 1 or more"
             )
         options = [f.name for f in dataclasses.fields(self) if f.repr]
-        self._training_config, self._explicit = load_strategy_config(
-            self.config, self._merged_overrides(), owner="ZeroPlugin", options=options
-        )
+        self._training_config = load_config(self.config, self._merged_overrides(), owner="ZeroPlugin", options=options)
 
     def _merged_overrides(self) -> dict[str, Any]:
         """The override fields as DeepSpeed keys, merged over `overrides`."""
@@ -134,4 +132,4 @@ class ZeroPlugin:
     @property
     def explicit_keys(self) -> frozenset[str]:
         """Top-level keys the user wrote (in the config or as overrides): the framework does not override them."""
-        return self._explicit
+        return self._training_config.explicit_keys

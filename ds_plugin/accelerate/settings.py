@@ -12,10 +12,10 @@ import os
 from typing import Any
 
 from ds_plugin.accelerate.plugin import ZeroPlugin
-from ds_plugin.config import AUTO, ConfigError, TrainingConfig
+from ds_plugin.config import ConfigError
 from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan
 
-__all__ = ["config_with_precision", "describe_plan", "framework_settings", "refuse_other_engines"]
+__all__ = ["describe_plan", "framework_settings", "refuse_other_engines"]
 
 PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 """Accelerate's `mixed_precision` -> the config's compute dtype (DeepSpeed's mixed precision: no autocast)."""
@@ -27,7 +27,7 @@ def framework_settings(
     """What Accelerate (and the loop inside it) says about the run.
 
     Args:
-        plugin: the run's `ZeroPlugin` (its explicit keys, and the loop's accumulation / clipping if it set them).
+        plugin: the run's `ZeroPlugin` (the loop's accumulation / clipping, if it set them).
         mixed_precision: Accelerate's setting: "no", "fp16", "bf16" or "fp8".
         accumulation: `Accelerator(gradient_accumulation_steps=...)`.
         micro_batch_size: the first prepared dataloader's batch size per process, if any.
@@ -47,7 +47,6 @@ def framework_settings(
         precision=PRECISION["bf16" if fp8 else mixed_precision],
         precision_label=f"mixed_precision={mixed_precision}",
         config_overrides={"fp8": {"enabled": True}} if fp8 else {},
-        explicit_keys=plugin.explicit_keys,
         micro_batch_size=micro_batch_size,
         accumulation=int(ga) if ga is not None else accumulation,
         accumulation_setting=plugin.accumulation_setting
@@ -55,25 +54,6 @@ def framework_settings(
         else "Accelerator(gradient_accumulation_steps)",
         clip=plugin.gradient_clipping,
         clip_setting=plugin.clip_setting,
-    )
-
-
-def config_with_precision(config: TrainingConfig, mixed_precision: str) -> TrainingConfig:
-    """The config with its fp16/bf16 "auto" filled from Accelerate's `mixed_precision` (nothing else changed).
-
-    Done here rather than left to the plan: its precision step resolves the whole config, which also turns an "auto"
-    `gradient_clipping` into DeepSpeed's 1.0 before the loop's own value (none: the script clips) is applied.
-
-    Args:
-        config: the plugin's config.
-        mixed_precision: Accelerate's setting ("fp8" computes in bf16).
-    """
-    if AUTO not in (config.fp16.enabled, config.bf16.enabled):
-        return config
-    precision = PRECISION["bf16" if mixed_precision == "fp8" else mixed_precision]
-    return config.replace(
-        fp16={"enabled": precision == "fp16"} if config.fp16.enabled == AUTO else {},
-        bf16={"enabled": precision == "bf16"} if config.bf16.enabled == AUTO else {},
     )
 
 

@@ -4,7 +4,7 @@
 activations, fp32 accumulation, weights as the components of :mod:`ds_plugin.quant.frozen.codecs` (any row
 stride), and no dequantized copy of W in memory. Their plain-torch references, by the same bit operations, sit
 beside them in :mod:`ds_plugin.kernels.quant_linear_reference`. This module imports nothing from ds_plugin.quant
-(the layering of ``tests/quant/test_import_graph.py``), so it restates the layouts it reads: int8 ``codes``
+(the layering of ``tests/test_layering.py``), so it restates the layouts it reads: int8 ``codes``
 (N, K); int4 ``codes`` (N, K/2), element ``2i`` in the high nibble, uint8 ``zeros`` in 1/16 steps; fp6 ``codes``
 (N, 3K/4), a nibble plane then a (sign, e2) plane per row, bits as :mod:`ds_plugin.quant.frozen.fp6` places them.
 

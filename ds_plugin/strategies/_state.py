@@ -14,8 +14,8 @@ from typing import Any
 from torch import nn
 
 from ds_plugin.config import TrainingConfig
+from ds_plugin.presets import ConfigSource, load_config
 from ds_plugin.runtime.faults import default_timeout, peer_failure_guard
-from ds_plugin.strategies._config import ConfigSource, load_strategy_config
 from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
@@ -72,9 +72,7 @@ class ZeroStrategyState:
         framework.setdefault("timeout", default_timeout())
         overrides = {k: v for k, v in kwargs.items() if k not in self._FRAMEWORK_ARGS}
         options = ("config", "block_types", "sync_module_states", *self._FRAMEWORK_ARGS)
-        self._config, self._explicit = load_strategy_config(
-            config, overrides, owner=type(self).__name__, options=options
-        )
+        self._config = load_config(config, overrides, owner=type(self).__name__, options=options)
         self._block_types = block_types
         self._sync_module_states = sync_module_states
         self._mesh: Any = None
@@ -117,7 +115,6 @@ class ZeroStrategyState:
             precision=precision.compute_dtype,
             precision_label=precision.precision,
             config_overrides=precision.config_overrides(),
-            explicit_keys=self._explicit,
             **framework,
         )
         return resolve_plan(

@@ -32,14 +32,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_plugin.peft_adapters import full_state_dict
 from ds_plugin.checkpoint import load_engine_checkpoint, save_engine_checkpoint
-from ds_plugin.strategies import _config, _model
+from ds_plugin.peft_adapters import full_state_dict
+from ds_plugin.presets import ConfigSource
 from ds_plugin.strategies._state import ZeroStrategyState, zero_precision_property
 from ds_plugin.strategies.lightning_precision import ZeroPrecision
 from ds_plugin.zero.engine import ZeroEngine
 from ds_plugin.zero.mesh import data_parallel_mesh
-from ds_plugin.zero.setup import has_meta
+from ds_plugin.zero.setup import has_meta, repoint_scheduler
 
 __all__ = ["ZeroFabricStrategy"]
 
@@ -74,7 +74,7 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
 
     def __init__(
         self,
-        config: _config.ConfigSource = "zero3",
+        config: ConfigSource = "zero3",
         *,
         block_types: Any = None,
         sync_module_states: bool = True,
@@ -111,7 +111,7 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
             raise ValueError(f"ZeroFabricStrategy trains with one optimizer (as DeepSpeed); got {len(optimizers)}")
         engine = self._engine_for(module, optimizers[0])
         if scheduler is not None:
-            _model.repoint_scheduler(scheduler, engine.optimizer)
+            repoint_scheduler(scheduler, engine.optimizer)
         return module, [engine.optimizer], scheduler
 
     @override

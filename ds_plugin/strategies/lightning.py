@@ -31,10 +31,12 @@ from typing_extensions import override
 from ds_plugin.peft_adapters import full_state_dict
 from ds_plugin.checkpoint import load_engine_checkpoint, remove_checkpoint, save_engine_checkpoint
 from ds_plugin.config import AUTO
-from ds_plugin.strategies import _config, _model
+from ds_plugin.presets import ConfigSource
 from ds_plugin.strategies._state import ZeroStrategyState, zero_precision_property
 from ds_plugin.strategies.lightning_precision import ZeroPrecision
 from ds_plugin.zero.mesh import data_parallel_mesh
+from ds_plugin.zero.plan import dataloader_batch_size
+from ds_plugin.zero.setup import repoint_scheduler
 
 __all__ = ["ZeroStrategy"]
 
@@ -72,7 +74,7 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
 
     def __init__(
         self,
-        config: _config.ConfigSource = "zero3",
+        config: ConfigSource = "zero3",
         *,
         block_types: Any = None,
         sync_module_states: bool = True,
@@ -107,7 +109,7 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         config, micro = self._config, None
         if config.train_micro_batch_size_per_gpu == AUTO or config.train_batch_size not in (None, AUTO):
             source = trainer.fit_loop._data_source  # the train dataloader, as Lightning's DeepSpeed strategy reads it
-            micro = _config.batch_size(source.dataloader()) if source.is_defined() else None
+            micro = dataloader_batch_size(source.dataloader()) if source.is_defined() else None
         return {
             "micro_batch_size": micro,
             "accumulation": trainer.accumulate_grad_batches,
@@ -147,7 +149,7 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         if engine.config.ignored_keys():
             rank_zero_info(f"ZeroStrategy: config keys without effect here: {', '.join(engine.config.ignored_keys())}")
         for scheduler_config in schedulers:
-            _model.repoint_scheduler(scheduler_config.scheduler, engine.optimizer)
+            repoint_scheduler(scheduler_config.scheduler, engine.optimizer)
         self.model = module
         self.optimizers = [engine.optimizer] if engine.optimizer is not None else []
         self.lr_scheduler_configs = schedulers

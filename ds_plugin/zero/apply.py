@@ -1,5 +1,6 @@
 """`apply_zero(model, config)`: turn a model into a ZeRO model for stages 0, 1, 2 or 3.
 
+`apply_zero` resolves its config once (`plan_for`); `apply_plan`, which `setup_zero` calls, takes only the plan.
 The model half of setup (`setup.py` runs the whole of it), in one fixed order, each step for a reason:
 check the model → host memory reuse (CPU) → rank 0's weights to every rank → FP8 layers and frozen-weight storage
 (before sharding: FSDP2 shards the parameters it finds, and the FP8 / quantized weight subclasses must be in place
@@ -16,7 +17,6 @@ backward (False). Stages 0 and 1 keep the parameters whole (see `stage1.py`).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -25,17 +25,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ds_plugin.config import TrainingConfig
+from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
 from ds_plugin.runtime.host_memory import reuse_freed_host_memory
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
-from ds_plugin.zero.plan import ZeroPlan, resolve_plan
+from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
 from ds_plugin.zero.wrap import BlockTypes, find_blocks
 from ds_plugin.zero.zeropp import install_zeropp
 
-__all__ = ["apply_zero", "broadcast_module_states", "is_zero_applied", "mixed_precision_policy", "plan_for"]
+__all__ = ["apply_plan", "apply_zero", "broadcast_module_states", "is_zero_applied", "mixed_precision_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +64,6 @@ def is_zero_applied(model: nn.Module) -> bool:
         model: any module.
     """
     return isinstance(model, FSDPModule) or replicated_state(model) is not None
-
-
-def plan_for(config: ZeroPlan | TrainingConfig | dict[str, Any] | str | os.PathLike, mesh: DeviceMesh) -> ZeroPlan:
-    """The plan for a config on a mesh (a plan is returned as is; its world size must be the mesh's).
-
-    Args:
-        config: a `ZeroPlan`, or anything `resolve_plan` reads.
-        mesh: the data-parallel mesh.
-    """
-    if isinstance(config, ZeroPlan):
-        if config.world_size != mesh.size():
-            raise ZeroSetupError(
-                f"the plan was resolved for {config.world_size} ranks but the mesh has {mesh.size()}; "
-                "resolve it for this mesh"
-            )
-        return config
-    return resolve_plan(config, world_size=mesh.size(), device_type=mesh.device_type)
 
 
 def _check_model(model: nn.Module, stage: int) -> None:
@@ -247,7 +230,7 @@ def _replicate(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh) -> None:
 
 def apply_zero(
     model: nn.Module,
-    config: ZeroPlan | TrainingConfig | dict[str, Any] | str,
+    config: ZeroPlan | ConfigSource,
     *,
     mesh: DeviceMesh | None = None,
     block_types: BlockTypes | None = None,
@@ -277,7 +260,31 @@ def apply_zero(
             `fp8.all_gather` is set without fp8, below stage 3 or with hpZ.
     """
     mesh = data_parallel_mesh(mesh)
-    plan = plan_for(config, mesh)
+    return apply_plan(
+        model, plan_for(config, mesh), mesh=mesh, block_types=block_types, sync_module_states=sync_module_states
+    )
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: ZeroPlan,
+    *,
+    mesh: DeviceMesh,
+    block_types: BlockTypes | None = None,
+    sync_module_states: bool = True,
+) -> nn.Module:
+    """`apply_zero` for a plan already resolved for `mesh` (`setup_zero`'s step 2): nothing is resolved here.
+
+    Args:
+        model: the model, on CPU, its accelerator, or the meta device (stages 2/3).
+        plan: the resolved plan; its world size is the mesh's.
+        mesh: the 1-D data-parallel mesh.
+        block_types: blocks to shard separately (see `apply_zero`).
+        sync_module_states: first copy the first rank's weights and buffers to every rank (see `apply_zero`).
+
+    Raises:
+        ZeroSetupError: as `apply_zero`.
+    """
     _check_model(model, plan.stage)
     if plan.host_memory_reuse:
         reuse_freed_host_memory()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ds_plugin.config import FP16Config, TrainingConfig
+from ds_plugin.config import FP16Config
 from ds_plugin.precision.loss_scaler import DynamicLossScaler, found_overflow
 from ds_plugin.quant.frozen.quantize import load_quantized_parts, quantized_parts_state, quantized_weights
 from ds_plugin.runtime.comms_logger import CommsLogger
 from ds_plugin.runtime.faults import peer_failure_guard
-from ds_plugin.zero.apply import is_zero_applied, plan_for
+from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.mesh import ZeroSetupError, torch_dtype
 from ds_plugin.zero.optimizer import (
     LocalShards,
@@ -71,11 +71,11 @@ def _loss_scaler(f: FP16Config | None) -> DynamicLossScaler | None:
 class ZeroEngine:
     """Runs training steps on a model returned by `apply_zero`.
 
+    `setup_zero` builds it and gives it its optimizer (`set_optimizer`); without one it only runs forward/backward.
+
     Args:
         module: the ZeRO model (`apply_zero`'s result); call the engine or `.module` for forward.
-        plan: the plan the model was built with (a config is resolved into one for the model's mesh).
-        optimizer: an optimizer over the ZeRO parameters, a factory `params -> optimizer`, or (stages 0/1)
-            one built on the model's own parameters; None for an engine that only runs forward/backward.
+        plan: the plan the model was built with, resolved for the mesh's world size.
         mesh: the data-parallel mesh; default the one the model was sharded over.
         comms_logger: a running `CommsLogger` to close a step on at every optimizer step.
     """
@@ -83,8 +83,7 @@ class ZeroEngine:
     def __init__(
         self,
         module: nn.Module,
-        plan: ZeroPlan | TrainingConfig | dict[str, Any] | str,
-        optimizer: OptimizerSpec | None = None,
+        plan: ZeroPlan,
         *,
         mesh: DeviceMesh | None = None,
         comms_logger: CommsLogger | None = None,
@@ -97,7 +96,8 @@ class ZeroEngine:
         self._params = self._replicated.masters if self._replicated else list(module.parameters())
         self.mesh = mesh or self._model_mesh()
         self.group = self.mesh.get_group()
-        self.plan = plan = plan_for(plan, self.mesh)
+        plan.check_world(self.mesh.size())
+        self.plan = plan
         self.config = plan.config
         self.stage = plan.stage
         self.gradient_accumulation_steps = plan.gradient_accumulation_steps
@@ -121,9 +121,6 @@ class ZeroEngine:
         self._local_shards: LocalShards | None = None
         self._creating_state = False
         self._overflow: bool | None = None  # this step's gradients reduced and unscaled (see _gradients_ready)
-        if optimizer is not None:
-            own = {id(p): p for p in self.module.parameters()}
-            self._set_optimizer(optimizer, self._replicated.master_of() if self._replicated else own)
 
     # ------------------------------------------------------------------ what the engine holds
 
@@ -133,9 +130,24 @@ class ZeroEngine:
         p = next(p for p in self.module.parameters() if isinstance(p, DTensor))
         return p.device_mesh
 
-    def _set_optimizer(self, spec: OptimizerSpec, replacement: dict[int, nn.Parameter]) -> None:
+    def set_optimizer(self, optimizer: OptimizerSpec, *, names: Mapping[int, str] | None = None) -> None:
+        """Give the engine its optimizer, on the trainable fp32 master parameters (the one way it gets one).
+
+        Args:
+            optimizer: a factory `params -> optimizer` (called with the trainable master parameters), or an
+                optimizer that has not stepped, built on the model's parameters before or after setup (rebuilt with
+                the same class and param groups).
+            names: id -> name of the parameters the optimizer may have been built on before setup replaced them
+                (stages 2/3: `fully_shard` swaps in DTensor parameters under the same names).
+        """
+        if self._replicated is not None:
+            replacement = self._replicated.master_of()
+        else:
+            new = dict(self.module.named_parameters())
+            replacement = {id(p): p for p in new.values()}
+            replacement.update({pid: new[name] for pid, name in (names or {}).items() if name in new})
         params = self.trainable_parameters()
-        optimizer = build_optimizer(spec, params, replacement)
+        optimizer = build_optimizer(optimizer, params, replacement)
         if optimizer is None:  # a factory with nothing to build (a Trainer that is not fitting)
             return
         if needs_local_shards(optimizer):

@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
 from ds_plugin.config import TrainingConfig
-from ds_plugin.zero.apply import apply_zero, plan_for
+from ds_plugin.zero.apply import apply_zero
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device
-from ds_plugin.zero.plan import ZeroPlan
+from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import shard_rows
 from ds_plugin.zero.wrap import BlockTypes
 

@@ -1,9 +1,10 @@
 """`resolve_plan`: a DeepSpeed config plus the framework's own arguments, resolved once into a `ZeroPlan`.
 
-Every entry point (`initialize`, the Lightning Trainer and Fabric strategies, any adapter to come) turns its
-inputs into one frozen plan of plain values here, and `setup_zero` (`setup.py`) applies it. Every consistency
-check runs in this one step, with the config's one-line errors: "auto" values filled from the framework (the
-way the transformers integration does), batch sizes against the world size, the hpZ group against the world
+Every entry point (`initialize`, `apply_zero`, the Lightning Trainer and Fabric strategies, the Accelerate adapter,
+`ds-plugin check-config --world-size`) turns its inputs into one frozen plan of plain values here, and `setup_zero`
+(`setup.py`) applies it; below it nothing reads a raw config. This is the only place where values that depend on the
+world size or the framework are resolved, with the config's one-line errors: "auto" values filled from the framework
+(the way the transformers integration does), batch sizes against the world size, the hpZ group against the world
 size, FP8 all-gather against the stage, offload against the device.
 """
 
@@ -13,12 +14,16 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ds_plugin.config import AUTO, CommsLoggerConfig, ConfigError, FP8Config, FP16Config, TrainingConfig
-from ds_plugin.presets import load_config
+from ds_plugin.presets import ConfigSource, load_config
+from ds_plugin.zero.mesh import ZeroSetupError
 
-__all__ = ["FrameworkSettings", "ZeroPlan", "resolve_plan"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FrameworkSettings", "ZeroPlan", "dataloader_batch_size", "plan_for", "resolve_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,8 @@ class FrameworkSettings:
     """What a framework (the Lightning Trainer, Fabric) says about the run, beside the DeepSpeed config.
 
     A value the config leaves at "auto" (or, for a DeepSpeed default the user did not write, leaves unset) is
-    taken from here; an explicit config value that disagrees with the framework's is an error, not a silent pick.
+    taken from here; an explicit config value (`TrainingConfig.explicit_keys`, recorded when the config was read)
+    that disagrees with the framework's is an error, not a silent pick.
     """
 
     owner: str
@@ -41,8 +47,6 @@ class FrameworkSettings:
     """How the user spelled it ("bf16-mixed"), for messages."""
     config_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Config sections the framework's precision plugin sets (FP8 adds its `fp8` block)."""
-    explicit_keys: frozenset[str] = frozenset()
-    """Top-level keys the user wrote, so a DeepSpeed default the user did not choose yields to the framework."""
     micro_batch_size: int | None = None
     """The dataloader's batch size (used where the config says "auto")."""
     accumulation: int | None = None
@@ -93,15 +97,30 @@ class ZeroPlan:
     comms_logger: CommsLoggerConfig | None
     """The collective logger to switch on at setup; None = off."""
     host_memory_reuse: bool
+    """CPU runs: make glibc keep freed memory mapped (see `host_memory.py`)."""
     non_finite_gradients: str
     """Without a loss scaler (bf16/fp32): "error" stops at a non-finite gradient, "skip" skips that step."""
-    """CPU runs: make glibc keep freed memory mapped (see `host_memory.py`)."""
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a mesh of another size than the plan was resolved for.
+
+        Args:
+            world_size: the mesh's size.
+
+        Raises:
+            ZeroSetupError: the sizes differ.
+        """
+        if self.world_size != world_size:
+            raise ZeroSetupError(
+                f"the plan was resolved for {self.world_size} ranks but the mesh has {world_size}; "
+                "resolve it for this mesh"
+            )
 
 
 def _framework_value(config: TrainingConfig, fw: FrameworkSettings, key: str, value: Any, setting: str) -> Any:
     """The framework's value where the config says "auto" or nothing it chose; a clash is an error."""
     current = getattr(config, key)
-    if current == AUTO or current is None or key not in fw.explicit_keys:
+    if current == AUTO or current is None or key not in config.explicit_keys:
         return value
     if value is not None and value != current:
         raise ConfigError(
@@ -111,19 +130,24 @@ def _framework_value(config: TrainingConfig, fw: FrameworkSettings, key: str, va
     return current
 
 
-def _apply_framework(config: TrainingConfig, fw: FrameworkSettings, world_size: int) -> tuple[TrainingConfig, Any]:
+def _fill_precision(config: TrainingConfig, precision: DType | None) -> TrainingConfig:
+    """The one fill of an "auto" `fp16.enabled` / `bf16.enabled`: on where it is the framework's precision, else off
+    (without a framework, off)."""
+    if AUTO not in (config.fp16.enabled, config.bf16.enabled):
+        return config
+    return config.replace(
+        fp16={"enabled": precision == "fp16"} if config.fp16.enabled == AUTO else {},
+        bf16={"enabled": precision == "bf16"} if config.bf16.enabled == AUTO else {},
+    )
+
+
+def _apply_framework(config: TrainingConfig, fw: FrameworkSettings) -> tuple[TrainingConfig, Any]:
     """Fill the config from the framework: precision, accumulation, clipping, micro batch size."""
     if fw.config_overrides:
         config = config.replace(**fw.config_overrides)
     precision = fw.precision
     if precision is not None:
-        if AUTO in (config.fp16.enabled, config.bf16.enabled):
-            # Only the precision: `resolve` would also turn an "auto" gradient_clipping into 1.0 here, before the
-            # framework's clipping value is applied below.
-            config = config.replace(
-                fp16={"enabled": precision == "fp16"} if config.fp16.enabled == AUTO else {},
-                bf16={"enabled": precision == "bf16"} if config.bf16.enabled == AUTO else {},
-            )
+        config = _fill_precision(config, precision)
         if precision != "fp32":
             if config.compute_dtype not in ("fp32", precision):
                 raise ConfigError(
@@ -166,13 +190,112 @@ def _offload(config: TrainingConfig, device_type: str) -> tuple[bool, bool]:
     return wanted, pin
 
 
+def _check_batch(tb: Any, mb: Any, ga: Any, world: int) -> tuple[Any, Any, Any]:
+    """DeepSpeed's rule: train_batch_size = micro x accumulation x world; any two (with the world) give the third."""
+    if AUTO in (tb, mb, ga):
+        return tb, mb, ga
+    if world < 1:
+        raise ConfigError(f"world size {world} must be at least 1")
+    if tb is not None and mb is not None and ga is not None:
+        if tb != mb * ga * world:
+            raise ConfigError(
+                f"train_batch_size: {tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {ga} "
+                f"x world size {world} = {mb * ga * world}; fix one of the three or drop train_batch_size"
+            )
+    elif tb is not None and mb is not None:
+        if tb % (mb * world):
+            raise ConfigError(
+                f"train_batch_size: {tb} is not divisible by train_micro_batch_size_per_gpu {mb} x world size {world}"
+            )
+        ga = tb // (mb * world)
+    elif tb is not None and ga is not None:
+        if tb % (ga * world):
+            raise ConfigError(
+                f"train_batch_size: {tb} is not divisible by gradient_accumulation_steps {ga} x world size {world}"
+            )
+        mb = tb // (ga * world)
+    elif tb is not None:
+        ga = 1
+        if tb % world:
+            raise ConfigError(f"train_batch_size: {tb} is not divisible by the world size {world}")
+        mb = tb // world
+    elif mb is not None:
+        ga = ga or 1
+        tb = mb * ga * world
+    return tb, mb, ga
+
+
+def _check_fp8_all_gather(config: TrainingConfig, world_size: int) -> None:
+    """Refuse `fp8.all_gather` where it cannot act: without FP8 layers, below stage 3, or with hpZ.
+
+    Not a parse-time check: an adapter's precision plugin adds the `fp8` block (`FrameworkSettings.config_overrides`)
+    to a config whose stage it did not choose.
+    """
+    if not config.fp8.all_gather:
+        return
+    if not config.fp8.enabled:
+        raise ConfigError(
+            "fp8.all_gather: needs fp8.enabled (it gathers the weights of the FP8 layers); "
+            "set fp8.enabled to true or turn fp8.all_gather off"
+        )
+    if config.stage != 3:
+        raise ConfigError(
+            f"fp8.all_gather: needs zero_optimization.stage 3 (stage {config.stage} does not gather sharded "
+            "weights for every forward); set stage to 3 or turn fp8.all_gather off"
+        )
+    hpz = config.zero_optimization.zero_hpz_partition_size
+    if hpz != AUTO and int(hpz) > 1 and int(hpz) < world_size:
+        raise ConfigError(
+            f"fp8.all_gather: cannot combine with zero_optimization.zero_hpz_partition_size {hpz} (FSDP2 has no "
+            "FP8 path for hpZ's secondary shard); set zero_hpz_partition_size to 1 or turn fp8.all_gather off"
+        )
+
+
+def _resolve_world(
+    config: TrainingConfig,
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    micro_batch_size: int | None,
+    gradient_accumulation_steps: int | None,
+) -> TrainingConfig:
+    """The config with every value that needs the world size resolved: batch sizes, the hpZ group, the "auto" left
+    over once the framework had its say (precision off, DeepSpeed's clipping of 1.0)."""
+    config = _fill_precision(config, None)
+    mb = config.train_micro_batch_size_per_gpu
+    mb = micro_batch_size if mb == AUTO else mb
+    ga = config.gradient_accumulation_steps
+    ga = gradient_accumulation_steps if ga == AUTO else ga
+    tb = None if config.train_batch_size == AUTO else config.train_batch_size
+    clip = 1.0 if config.gradient_clipping == AUTO else config.gradient_clipping
+    tb, mb, ga = _check_batch(tb, mb, ga, world_size)
+    zero = config.zero_optimization
+    hpz = ranks_per_node if zero.zero_hpz_partition_size == AUTO else zero.zero_hpz_partition_size
+    if int(hpz) > 1 and (world_size % int(hpz) or int(hpz) > world_size):
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size: {hpz} does not divide the world size {world_size}; "
+            "use a divisor of the world size (usually the ranks per node)"
+        )
+    config = dataclasses.replace(
+        config,
+        train_batch_size=tb,
+        train_micro_batch_size_per_gpu=mb,
+        gradient_accumulation_steps=ga,
+        gradient_clipping=clip,
+        zero_optimization=dataclasses.replace(zero, zero_hpz_partition_size=hpz),
+    )
+    _check_fp8_all_gather(config, world_size)
+    return config
+
+
 def resolve_plan(
-    config: TrainingConfig | Mapping[str, Any] | str | os.PathLike,
+    config: ConfigSource,
     *,
     world_size: int,
     ranks_per_node: int | None = None,
     device_type: str = "cpu",
     framework: FrameworkSettings | None = None,
+    check_only: bool = False,
 ) -> ZeroPlan:
     """Resolve a config against the run into a `ZeroPlan`; every check runs here, once.
 
@@ -184,6 +307,8 @@ def resolve_plan(
         device_type: the mesh's device type ("cpu", "cuda", ...): offload and host memory reuse depend on it.
         framework: the framework's own arguments; None for `initialize`, where the config must say everything
             ("auto" values are an error there, except the hpZ group).
+        check_only: no framework and no run (`ds-plugin check-config --world-size`): an "auto" that a framework
+            would fill is not an error; it takes what a framework without a say gives (DeepSpeed's defaults).
 
     Raises:
         ConfigError: one line naming the dotted key and the fix.
@@ -194,14 +319,15 @@ def resolve_plan(
     ranks_per_node = max(1, min(ranks_per_node, world_size))
     ga = None
     if framework is not None:
-        config, ga = _apply_framework(config, framework, world_size)
-    else:
+        config, ga = _apply_framework(config, framework)
+    elif not check_only:
         for key in ("gradient_accumulation_steps", "gradient_clipping"):
             if getattr(config, key) == AUTO:
                 raise ConfigError(
                     f'{key}: "auto" is not resolved; without a framework to take it from, write the value'
                 )
-    config = config.resolve(
+    config = _resolve_world(
+        config,
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         micro_batch_size=framework.micro_batch_size if framework else None,
@@ -234,3 +360,26 @@ def resolve_plan(
         host_memory_reuse=config.host_memory_reuse and device_type == "cpu",
         non_finite_gradients=config.non_finite_gradients,
     )
+
+
+def plan_for(config: ZeroPlan | ConfigSource, mesh: DeviceMesh) -> ZeroPlan:
+    """The plan for a config on a mesh, for the entry points that take either (`initialize`, `apply_zero`,
+    `init_sharded`); a plan is returned as is, its world size checked against the mesh's.
+
+    Args:
+        config: a `ZeroPlan`, or anything `resolve_plan` reads.
+        mesh: the data-parallel mesh.
+    """
+    if isinstance(config, ZeroPlan):
+        config.check_world(mesh.size())
+        return config
+    return resolve_plan(config, world_size=mesh.size(), device_type=mesh.device_type)
+
+
+def dataloader_batch_size(loader: Any) -> int | None:
+    """A dataloader's batch size (for `FrameworkSettings.micro_batch_size`), or None.
+
+    Args:
+        loader: a `DataLoader` (or anything with `batch_sampler.batch_size` / `batch_size`).
+    """
+    return getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)

@@ -1,39 +1,40 @@
 """`setup_zero`: apply a `ZeroPlan` to a model and an optimizer, in one fixed order, for every entry point.
 
-`initialize` (DeepSpeed's verb) and the Lightning Trainer and Fabric strategies all end here (as any new adapter
-should); each resolves its inputs into a plan first (`plan.py`) and keeps only what is framework-specific. The order,
+`initialize` (DeepSpeed's verb), the Lightning Trainer and Fabric strategies and the Accelerate adapter all end here
+(as any new adapter should); each resolves its inputs into a plan first (`plan.py`) and keeps only what is
+framework-specific. From here down the code takes the `ZeroPlan` (and torch dtypes), never a raw config. The order,
 and why:
 
 1. materialise a meta-device model at stages 0/1 (they keep whole weights on every rank anyway);
-2. `apply_zero`: rank 0's weights to every rank → FP8 layers → fp32 masters → shard or replicate → ZeRO++
+2. `apply_plan`: rank 0's weights to every rank → FP8 layers → fp32 masters → shard or replicate → ZeRO++
    collectives (see `apply.py` for the reasons inside that step);
 3. materialise a meta-device model at stages 2/3, now that each rank allocates only its own shards;
 4. the engine, with the comms logger switched on when the config asks for it;
-5. its optimizer, rebuilt on the fp32 master parameters the engine exposes (an optimizer built on the model's
-   parameters before setup is mapped across by parameter name).
+5. its optimizer, rebuilt on the fp32 master parameters by `engine.set_optimizer` (an optimizer built on the
+   model's parameters before setup is mapped across by parameter name; `repoint_scheduler` moves an LR scheduler
+   built on it to the rebuilt one).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ds_plugin.config import TrainingConfig
+from ds_plugin.presets import ConfigSource
 from ds_plugin.runtime.comms_logger import comms_logger_from_config
-from ds_plugin.zero.apply import apply_zero, has_fp8_layers, is_zero_applied, plan_for
+from ds_plugin.zero.apply import apply_plan, has_fp8_layers, is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
 from ds_plugin.zero.init import materialize_
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device
 from ds_plugin.zero.optimizer import OptimizerSpec
-from ds_plugin.zero.plan import ZeroPlan
+from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.wrap import BlockTypes
 
-__all__ = ["has_meta", "initialize", "setup_zero"]
+__all__ = ["has_meta", "initialize", "repoint_scheduler", "setup_zero"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def setup_zero(
     Raises:
         ZeroSetupError: a model or optimizer the plan cannot be applied to (one line).
     """
+    plan.check_world(mesh.size())
     device = device or mesh_device(mesh)
     originals = {id(p): name for name, p in model.named_parameters()}
     if is_zero_applied(model):
@@ -89,19 +91,12 @@ def setup_zero(
         if meta and plan.stage < 2:
             materialize_(model, device=device)
             meta = False
-        apply_zero(model, plan, mesh=mesh, block_types=block_types, sync_module_states=sync_module_states)
+        apply_plan(model, plan, mesh=mesh, block_types=block_types, sync_module_states=sync_module_states)
         if meta:
             materialize_(model, device=device)
     engine = ZeroEngine(model, plan, mesh=mesh, comms_logger=_comms_logger(plan, mesh))
     if optimizer is not None:
-        if engine._replicated is not None:
-            replacement = engine._replicated.master_of()
-        else:
-            # fully_shard replaced the parameters with DTensor ones under the same names.
-            new = dict(model.named_parameters())
-            replacement = {id(p): p for p in new.values()}
-            replacement.update({pid: new[name] for pid, name in originals.items() if name in new})
-        engine._set_optimizer(optimizer, replacement)
+        engine.set_optimizer(optimizer, names=originals)
     return engine
 
 
@@ -115,7 +110,7 @@ def _comms_logger(plan: ZeroPlan, mesh: DeviceMesh) -> Any:
 
 def initialize(
     model: nn.Module,
-    config: ZeroPlan | TrainingConfig | dict[str, Any] | str | os.PathLike,
+    config: ZeroPlan | ConfigSource,
     optimizer: OptimizerSpec | None = None,
     *,
     mesh: DeviceMesh | None = None,
@@ -145,3 +140,27 @@ def initialize(
         block_types=block_types,
         sync_module_states=sync_module_states,
     )
+
+
+def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point an LR scheduler built on the user's optimizer at the one setup rebuilt on the masters (step 5).
+
+    Args:
+        scheduler: a torch LR scheduler (or any object with an `optimizer` attribute).
+        optimizer: the engine's optimizer.
+    """
+    old = getattr(scheduler, "optimizer", None)
+    if old is None or old is optimizer:
+        return
+    scheduler.optimizer = optimizer
+    # torch's LRScheduler wraps `optimizer.step` at construction to warn when it is stepped out of order;
+    # the rebuilt optimizer needs the same marker or the first scheduler step warns spuriously.
+    if getattr(old.step, "_wrapped_by_lr_sched", False) and not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        step = optimizer.step
+
+        def tracked_step(*args: Any, **kwargs: Any) -> Any:
+            optimizer._opt_called = True
+            return step(*args, **kwargs)
+
+        tracked_step._wrapped_by_lr_sched = True
+        optimizer.step = tracked_step

@@ -23,7 +23,6 @@ from ds_plugin.strategies import (
     ZeroFabricStrategy,
     ZeroPrecision,
     ZeroStrategy,
-    _config,
     register_lightning_strategies,
     registry,
 )
@@ -202,13 +201,12 @@ def test_the_strategies_package_itself_imports_nothing_heavy() -> None:
 
 # -- config resolution against the Trainer ---------------------------------------------------------------------
 def resolve(config="zero3", precision="32-true", world_size=2, ranks_per_node=2, **framework):
-    cfg, explicit = _config.load_strategy_config(config, {}, owner="ZeroStrategy", options=())
+    cfg = ds_plugin.load_config(config, {}, owner="ZeroStrategy")
     plugin = ZeroPrecision(precision)
     settings = FrameworkSettings(
         owner="ZeroStrategy",
         precision=plugin.compute_dtype,
         precision_label=plugin.precision,
-        explicit_keys=explicit,
         accumulation_setting="Trainer(accumulate_grad_batches)",
         clip_setting="Trainer(gradient_clip_val)",
         **framework,

@@ -276,8 +276,9 @@ def _refusal_worker(rank: int, world: int) -> dict:
     import dataclasses
 
     from ds_plugin import quantize_frozen_
-    from ds_plugin.zero.apply import _check_quantized_shards, apply_zero, plan_for
+    from ds_plugin.zero.apply import _check_quantized_shards, apply_zero
     from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh
+    from ds_plugin.zero.plan import plan_for
 
     out = {}
     uneven = quantize_frozen_(nn.Sequential(nn.Linear(64, 3), nn.Linear(3, 2)).requires_grad_(False), "int8")

@@ -133,11 +133,11 @@ def test_the_plan_checks_everything_once_with_one_line_errors() -> None:
     assert resolve_plan("zeropp", world_size=8, ranks_per_node=4).reshard_after_forward == 4
     assert resolve_plan("zeropp", world_size=4, ranks_per_node=4).reshard_after_forward is True
     # A framework fills "auto" and what the user did not write; a clash with what the user wrote is an error.
-    fw = FrameworkSettings(owner="T", precision="bf16", accumulation=2, clip=0.3, explicit_keys=frozenset())
+    fw = FrameworkSettings(owner="T", precision="bf16", accumulation=2, clip=0.3)
     plan = resolve_plan({"zero_optimization": {"stage": 2}}, world_size=2, framework=fw)
     assert (plan.compute_dtype, plan.gradient_accumulation_steps, plan.gradient_clipping) == ("bf16", 2, 0.3)
     assert plan.reshard_after_forward is False and plan.loss_scaling is None
-    fw = FrameworkSettings(owner="T", precision="fp16", explicit_keys=frozenset({"bf16"}))
+    fw = FrameworkSettings(owner="T", precision="fp16")
     with pytest.raises(ConfigError, match="T: precision='fp16' trains in fp16 but the config enables bf16"):
         resolve_plan({"bf16": {"enabled": True}}, world_size=2, framework=fw)
     # Offload on a CPU-only run is a no-op, said once in the log; on an accelerator it is on.
@@ -150,9 +150,8 @@ def test_auto_precision_leaves_an_auto_clip_to_the_framework() -> None:
     # Resolving "auto" precision used to resolve an "auto" gradient_clipping to DeepSpeed's 1.0 on the way, so a
     # framework's own clipping value then clashed with it (or, without one, clipping was silently on).
     cfg = {"bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
-    keys = frozenset(cfg)
-    fw = FrameworkSettings(owner="ZeroStrategy", precision="bf16", clip=0.5, explicit_keys=keys)
+    fw = FrameworkSettings(owner="ZeroStrategy", precision="bf16", clip=0.5)
     plan = resolve_plan(cfg, world_size=2, device_type="cpu", framework=fw)
     assert (plan.compute_dtype, plan.gradient_clipping) == ("bf16", 0.5)
-    no_clip = FrameworkSettings(owner="ZeroStrategy", precision="bf16", explicit_keys=keys)
+    no_clip = FrameworkSettings(owner="ZeroStrategy", precision="bf16")
     assert resolve_plan(cfg, world_size=2, device_type="cpu", framework=no_clip).gradient_clipping == 0.0
