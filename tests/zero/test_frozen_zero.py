@@ -167,6 +167,9 @@ CASES = {
 
 
 def _all_cases(rank: int, world: int, workdir: str) -> dict[tuple, tuple[str, Any]]:
+    import _break  # a fresh (spawned) process: DS_PLUGIN_TEST_NOOP_STEP must be applied here too
+
+    _break.install()
     out = {}
     for case in CASES[world]:
         try:

@@ -53,6 +53,9 @@ CASES = [("error", *c) for c in ERROR_CASES] + [("skip", *c) for c in SKIP_CASES
 
 
 def _all_cases(rank: int, world: int) -> dict[tuple, tuple[str, Any]]:
+    import _break  # a fresh (spawned) process: DS_PLUGIN_TEST_NOOP_STEP must be applied here too
+
+    _break.install()
     out = {}
     for case in CASES:
         try:
