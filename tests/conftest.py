@@ -1,20 +1,59 @@
-"""Suite-wide pytest setup: the test-only sabotage switch, and the `long` tier.
+"""Suite-wide pytest setup: the test-only sabotage switch, the `long` tier and the `release` set.
 
 `long` tests are minutes-long end-to-end runs (the recipes, convergence runs, killed ranks). A bare
-`python -m pytest -q` leaves them out so that the suite stays within 15 minutes on 2 cores; `python -m pytest -q -m
+`python -m pytest -q` leaves them out so that the suite stays within 10 minutes on 2 cores; `python -m pytest -q -m
 long` runs them (CI runs both). Naming a file, directory or test on the command line runs what it names, `long` or
 not.
+
+`release` marks the tests of what can differ between torch and framework releases: FSDP2's extension points (custom
+all-gathers, `fsdp_pre/post_all_gather`), DCP, the functional collectives, the Triton interpreter, the Lightning,
+Accelerate and HF Trainer/trl adapters, and checkpoints. CI's second stack (an older torch on a newer Python) runs
+only these: `python -m pytest -q -m release`. The mark comes from where a test lives (`RELEASE_DIRS`,
+`RELEASE_FILES`, checkpoint file names), so a new file there is covered without a decorator; a test elsewhere that
+leans on such an API says so with `@pytest.mark.release`. A `long` test is never `release`: the second stack does not
+repeat the minutes-long runs.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import _break
 import pytest
 
 _break.install()  # DS_PLUGIN_TEST_NOOP_STEP=1 makes every optimizer step a no-op (tests/_break.py)
 
+TESTS = Path(__file__).resolve().parent
+# Folders under tests/ whose every test is `release`: the adapters, the Triton kernels, the checkpoints.
+RELEASE_DIRS = ("strategies", "accelerate", "kernels", "checkpoint")
+# Files elsewhere whose every test is `release` (FSDP2 hooks and custom collectives).
+RELEASE_FILES = (
+    "zero/test_zeropp_comm.py",  # qwZ/qgZ as FSDP2 custom collectives, against exact torch collectives
+    "precision/test_fp8_all_gather.py",  # FP8 weights through fsdp_pre/post_all_gather, and their checkpoint
+)
+# Any test file whose name holds one of these is `release`, wherever it lives (checkpoint save/load over DCP).
+RELEASE_NAME_WORDS = ("checkpoint", "resume")
 
+
+def _is_release(path: Path) -> bool:
+    try:
+        rel = path.resolve().relative_to(TESTS)
+    except ValueError:
+        return False
+    return (
+        rel.parts[0] in RELEASE_DIRS
+        or rel.as_posix() in RELEASE_FILES
+        or any(word in rel.name for word in RELEASE_NAME_WORDS)
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here must be seen by it
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("long"):
+            continue
+        if _is_release(Path(str(item.path))):
+            item.add_marker(pytest.mark.release)
     if config.getoption("markexpr") or config.args_source != pytest.Config.ArgsSource.TESTPATHS:
         return
     deselected = [item for item in items if item.get_closest_marker("long")]

@@ -1,9 +1,11 @@
 """Unchanged Accelerate scripts on 2 CPU processes through `accelerate launch -m ds_plugin.accelerate`.
 
-One launch per run (process start-up dominates): plain Accelerate DDP (the reference), ZeRO-2, ZeRO-3 (saving its
-state at step 3 and the model at the end), ZeRO-3 resumed from that state in a new launch, ZeRO++ in bf16, FP8 in
-one process, and the HF Trainer + trl DPOTrainer. The training script is examples/accelerate/train.py, which never
-imports ds_plugin.
+The runs: plain Accelerate DDP (the reference), ZeRO-2, ZeRO-3 (saving its state at step 3 and the model at the
+end), ZeRO-3 resumed from that state in a new launch, ZeRO++ in bf16, FP8 in one process, the HF Trainer + trl
+DPOTrainer, and the FSDP2-style order in fp16. Process start-up dominates, so the runs share three launches
+(scripts/runs.py calls each script's `main()` in turn, resetting Accelerate's state between them): the 2-process
+trainings, the resumed run with the HF/trl parts, and the 1-process runs. The training script is
+examples/accelerate/train.py, which never imports ds_plugin.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _accelerate_launch import EXAMPLES, REPO, SCRIPTS, accelerate_launch, clean_env, launch_cmd, run
+from _accelerate_launch import EXAMPLES, REPO, SCRIPTS, clean_env, launch_cmd, run
 
 pytestmark = pytest.mark.slow
 
@@ -30,31 +32,101 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("accelerate")
 
 
-@pytest.fixture(scope="module")
-def ddp(workdir: Path) -> dict[str, Any]:
-    return accelerate_launch(TRAIN, *ARGS, out=workdir / "ddp.json")
+def _tail(text: str, lines: int = 60) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def launch(workdir: Path, name: str, runs: list[dict[str, Any]], *, processes: int, timeout: float) -> dict:
+    """One launch of scripts/runs.py for `runs` ({"name", "script", "args", "config"}); returns {run name: result}.
+
+    Each run writes its own result file (`--out`, added here); runs.py gathers them, with each run's log lines.
+    """
+    for r in runs:
+        r["result"] = str(workdir / f"{r['name']}.json")
+        r["args"] = [*map(str, r["args"]), "--out", r["result"]]
+    out = workdir / f"{name}.json"
+    script = [str(SCRIPTS / "runs.py"), "--out", str(out), "--runs", json.dumps(runs)]
+    ds_config = next(r["config"] for r in runs if r["config"] != "plain")  # the bootstrap checks it first
+    if processes == 1:
+        cmd = [sys.executable, "-m", "ds_plugin.accelerate", "--ds-config", ds_config, *script]
+    else:
+        cmd = [*launch_cmd(Path(script[0]), ds_config), *script[1:]]
+    proc = run(cmd, timeout=timeout, env=clean_env(), done_file=out)
+    if not out.is_file():
+        partial = {r["name"]: json.loads(Path(r["result"]).read_text()) for r in runs if Path(r["result"]).is_file()}
+        raise AssertionError(
+            f"launch {name} failed (exit code {proc.returncode}, no result; results so far {sorted(partial)}):\n"
+            f"{json.dumps(partial)[-3000:]}\n{_tail(proc.stdout)}"
+        )
+    return json.loads(out.read_text())
+
+
+def result_of(runs: dict[str, Any], name: str) -> dict[str, Any]:
+    if name not in runs:
+        pytest.fail(f"run {name} did not run: an earlier run of its launch failed", pytrace=False)
+    if "error" in runs[name]:
+        pytest.fail(f"run {name} failed:\n{runs[name]['error']}", pytrace=False)
+    return runs[name]
+
+
+def _train(name: str, config: str, *args: str) -> dict[str, Any]:
+    return {"name": name, "script": str(TRAIN), "config": config, "args": [*ARGS, *args]}
 
 
 @pytest.fixture(scope="module")
-def zero2(workdir: Path) -> dict[str, Any]:
-    return accelerate_launch(TRAIN, *ARGS, out=workdir / "zero2.json", ds_config=str(EXAMPLES / "zero2.json"))
+def two_processes(workdir: Path) -> dict[str, Any]:
+    runs = [
+        _train("ddp", "plain"),
+        _train("zero2", str(EXAMPLES / "zero2.json")),
+        _train("zero3", str(EXAMPLES / "zero3.json"), "--save-state-at", "3", "--output-dir", str(workdir / "zero3")),
+        _train("zeropp", str(EXAMPLES / "zeropp.json")),
+    ]
+    return launch(workdir, "two_processes", runs, processes=2, timeout=420)
 
 
 @pytest.fixture(scope="module")
-def zero3(workdir: Path) -> dict[str, Any]:
-    args = (*ARGS, "--save-state-at", "3", "--output-dir", str(workdir / "zero3"))
-    return accelerate_launch(TRAIN, *args, out=workdir / "zero3.json", ds_config=str(EXAMPLES / "zero3.json"))
+def resumed_and_hf(workdir: Path, two_processes: dict[str, Any]) -> dict[str, Any]:
+    result_of(two_processes, "zero3")  # the state it resumes from
+    resumed = _train("resumed", str(EXAMPLES / "zero3.json"), "--resume-from", str(workdir / "zero3" / "state"),
+                     "--resume-step", "3")  # fmt: skip
+    parts = "trainer,dpo" if importlib.util.find_spec("trl") else "trainer"  # trl: the dev extra
+    # The Trainer part brings its own JSON; DPO runs on the run's (LoRA's frozen base stored as INT8).
+    hf = {"name": "hf", "script": str(SCRIPTS / "hf_trainers.py"), "config": str(EXAMPLES / "zero3_lora_int8.json"),
+          "args": ["--workdir", str(workdir), "--parts", parts,
+                   "--hf-config", str(REPO / "tests" / "configs" / "hf_trainer_zero3_auto.json")]}  # fmt: skip
+    return launch(workdir, "resumed_and_hf", [resumed, hf], processes=2, timeout=400)
 
 
 @pytest.fixture(scope="module")
-def resumed(workdir: Path, zero3: dict[str, Any]) -> dict[str, Any]:
-    args = (*ARGS, "--resume-from", str(workdir / "zero3" / "state"), "--resume-step", "3")
-    return accelerate_launch(TRAIN, *args, out=workdir / "resumed.json", ds_config=str(EXAMPLES / "zero3.json"))
+def one_process(workdir: Path) -> dict[str, Any]:
+    fp8 = _train("fp8", "zero3", "--model", "llama", "--mixed-precision", "fp8")
+    delayed = {"name": "delayed", "script": str(SCRIPTS / "delayed_optimizer.py"), "config": "zero1", "args": []}
+    return launch(workdir, "one_process", [fp8, delayed], processes=1, timeout=200)
 
 
 @pytest.fixture(scope="module")
-def zeropp(workdir: Path) -> dict[str, Any]:
-    return accelerate_launch(TRAIN, *ARGS, out=workdir / "zeropp.json", ds_config=str(EXAMPLES / "zeropp.json"))
+def ddp(two_processes: dict[str, Any]) -> dict[str, Any]:
+    return result_of(two_processes, "ddp")
+
+
+@pytest.fixture(scope="module")
+def zero2(two_processes: dict[str, Any]) -> dict[str, Any]:
+    return result_of(two_processes, "zero2")
+
+
+@pytest.fixture(scope="module")
+def zero3(two_processes: dict[str, Any]) -> dict[str, Any]:
+    return result_of(two_processes, "zero3")
+
+
+@pytest.fixture(scope="module")
+def resumed(resumed_and_hf: dict[str, Any]) -> dict[str, Any]:
+    return result_of(resumed_and_hf, "resumed")
+
+
+@pytest.fixture(scope="module")
+def zeropp(two_processes: dict[str, Any]) -> dict[str, Any]:
+    return result_of(two_processes, "zeropp")
 
 
 def assert_close(losses: list[float], reference: list[float], rel: float) -> None:
@@ -129,34 +201,20 @@ def test_zeropp_bf16_trains_close_to_ddp(zeropp: dict[str, Any], ddp: dict[str, 
     assert losses[-1] == pytest.approx(ddp["losses"][-1], rel=0.05)
 
 
-def test_fp8_from_accelerate_mixed_precision_in_one_process(workdir: Path) -> None:
-    out = workdir / "fp8.json"
-    cmd = [sys.executable, "-m", "ds_plugin.accelerate", "--ds-config", "zero3", str(TRAIN), "--model", "llama",
-           "--mixed-precision", "fp8", *ARGS, "--out", str(out)]  # fmt: skip
-    proc = run(cmd, timeout=90)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    result = json.loads(out.read_text())
-    assert "ZeRO stage 3 + fp8 tensorwise on 1 ranks: compute bf16" in proc.stdout
-    assert "fp8 tensorwise: converted" in proc.stdout
+def test_fp8_from_accelerate_mixed_precision_in_one_process(one_process: dict[str, Any]) -> None:
+    result = result_of(one_process, "fp8")
+    assert "ZeRO stage 3 + fp8 tensorwise on 1 ranks: compute bf16" in result["output"]
+    assert "fp8 tensorwise: converted" in result["output"]
     assert result["distributed_type"] == "DistributedType.NO"
     assert result["losses"][-1] < result["losses"][0] - 0.3
 
 
 @pytest.fixture(scope="module")
-def hf(workdir: Path) -> dict[str, Any]:
-    out = workdir / "hf.json"
-    parts = "trainer,dpo" if importlib.util.find_spec("trl") else "trainer"  # trl: the dev extra
-    # The Trainer part brings its own JSON; DPO runs on the launch's (LoRA's frozen base stored as INT8).
-    ds_config = str(EXAMPLES / "zero3_lora_int8.json")
-    cmd = [*launch_cmd(SCRIPTS / "hf_trainers.py", ds_config), "--out", str(out), "--workdir", str(workdir),
-           "--hf-config", str(REPO / "tests" / "configs" / "hf_trainer_zero3_auto.json"), "--parts", parts]  # fmt: skip
-    proc = run(cmd, timeout=180, env=clean_env(), done_file=out)
-    assert out.is_file(), proc.stdout[-4000:]
-    result = json.loads(out.read_text())
+def hf(resumed_and_hf: dict[str, Any]) -> dict[str, Any]:
+    result = dict(result_of(resumed_and_hf, "hf"))
     for name, part in result.items():
-        if "error" in part:
-            pytest.fail(f"part {name} failed:\n{part['error']}\n--- output ---\n{proc.stdout[-3000:]}", pytrace=False)
-    result["output"] = proc.stdout  # judged by the result file, as in _accelerate_launch._result
+        if isinstance(part, dict) and "error" in part:
+            pytest.fail(f"part {name} failed:\n{part['error']}", pytrace=False)
     return result
 
 
@@ -196,14 +254,9 @@ def test_trl_dpo_with_lora(hf: dict[str, Any]) -> None:
     assert part["reload_max_diff"] < 1e-2 < part["base_max_diff"]  # the adapter reloads, and it matters
 
 
-def test_model_first_then_optimizer_fp16_stage1(workdir: Path) -> None:
+def test_model_first_then_optimizer_fp16_stage1(one_process: dict[str, Any]) -> None:
     """The FSDP2-style order, fp16 with the engine's loss scaler (overflow steps skipped), stage 1, one process."""
-    out = workdir / "delayed.json"
-    cmd = [sys.executable, "-m", "ds_plugin.accelerate", "--ds-config", "zero1", str(SCRIPTS / "delayed_optimizer.py"),
-           "--out", str(out)]  # fmt: skip
-    proc = run(cmd, timeout=90, done_file=out)
-    assert out.is_file(), proc.stdout[-3000:]
-    result = json.loads(out.read_text())
+    result = result_of(one_process, "delayed")
     assert (result["stage"], result["compute"], result["optimizer_is_engines"]) == (1, "fp16", True)
     assert result["loss_scale"] is not None and result["loss_scale"] <= 2.0**16
     assert result["global_steps"] == len(result["losses"]) == 24

@@ -148,7 +148,7 @@ def test_qlora_zeropp_on_an_nf4_base_saves_a_whole_adapter(suite: dict[str, Any]
     assert qlora["adapter_keys"] == 16 and qlora["adapter_loaded"]  # 2 layers x q/k/v/o x (A, B), whole
     assert qlora["lora_b_max"] > 0  # LoRA B starts at zero: it trained
     assert "adapter_model.safetensors" in qlora["files"]
-    assert qlora["logits_diff"] < 1e-5
+    # That the saved adapter reproduces the trained model is checked once, in tests/zero/test_frozen_zero.py.
 
 
 def test_lora_zeropp_adapter_reloads(suite: dict[str, Any]) -> None:

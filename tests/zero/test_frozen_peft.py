@@ -1,13 +1,16 @@
 """peft prompt learning on a quantized frozen base under ZeRO-3: P-Tuning v1 and prefix tuning (P-Tuning v2).
 
-Each run trains on 2 gloo ranks, saves the adapter with `save_adapter`, and the test process reloads it onto a
-fresh base, stores that base in the same format, and must reproduce the trained model's logits.
+Both runs train in one spawn of 2 gloo ranks, each saving its adapter with `save_adapter`; the test process reloads
+each onto a fresh base, stores that base in the same format, and must reproduce the trained model's logits.
 """
 
 from __future__ import annotations
 
 import itertools
+import traceback
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,12 +73,38 @@ def _reload(kind: str, fmt: str, path: str) -> torch.Tensor:
         return model(input_ids=_probe()).logits
 
 
+CASES = [("ptuning", "int4"), ("prefix", "nf4")]
+
+
+def _all_cases(rank: int, world: int, workdir: str) -> dict[tuple, tuple[str, Any]]:
+    import _break  # a fresh (spawned) process: DS_PLUGIN_TEST_NOOP_STEP must be applied here too
+
+    _break.install()
+    out = {}
+    for kind, fmt in CASES:
+        try:
+            out[kind, fmt] = ("ok", _train(rank, world, kind, fmt, str(Path(workdir) / kind)))
+        except Exception:  # reported by the case's own test
+            out[kind, fmt] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    workdir = tmp_path_factory.mktemp("adapters")
+    return workdir, run_ranks(_all_cases, 2, timeout=500, workdir=str(workdir))
+
+
 # LoRA (with modules_to_save) is saved and reloaded the same way in test_frozen_zero.py, at 2 and 4 ranks.
-@pytest.mark.parametrize(("kind", "fmt"), [("ptuning", "int4"), ("prefix", "nf4")])
-def test_adapter_trained_at_zero3_on_a_quantized_base_reloads_exactly(kind, fmt, tmp_path):
+@pytest.mark.parametrize(("kind", "fmt"), CASES)
+def test_adapter_trained_at_zero3_on_a_quantized_base_reloads_exactly(spawned, kind, fmt):
     quiet()
-    path = str(tmp_path / "adapter")
-    results = run_ranks(_train, 2, timeout=300, kind=kind, fmt=fmt, out_dir=path)
+    workdir, by_rank = spawned
+    path = str(workdir / kind)
+    for rank, r in enumerate(by_rank):
+        if r[kind, fmt][0] == "error":
+            pytest.fail(f"rank {rank}, case {kind} {fmt}:\n{r[kind, fmt][1]}", pytrace=False)
+    results = [r[kind, fmt][1] for r in by_rank]
     for r in results:
         # It learns the one batch: slowly in 6 steps, but every step lowers the loss (a no-op optimizer would
         # repeat the first loss).

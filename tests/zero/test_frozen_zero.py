@@ -1,8 +1,20 @@
-"""Frozen weights under the engine: no fp32 masters, quantized storage sharded and gathered as codes (gloo ranks)."""
+"""Frozen weights under the engine: no fp32 masters, quantized storage sharded and gathered as codes (gloo ranks).
+
+One spawn per world size (2 and 4) runs every case in `CASES` and hands back each case's result, or its traceback;
+each test then checks one case (process start-up, not the steps, is what costs on two cores).
+
+This file holds the parity check of LoRA on a quantized base at ZeRO-3 against one process (every frozen format,
+2 and 4 ranks). The Lightning (tests/strategies/scripts/qlora_zeropp.py), Accelerate/trl
+(tests/accelerate/scripts/hf_trainers.py) and prompt-learning (test_frozen_peft.py) tests only check that their
+path reaches it.
+"""
 
 from __future__ import annotations
 
+import traceback
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,11 +23,13 @@ from torch import nn
 from ds_plugin.launch import run_ranks
 from tests.zero._tiny import VOCAB, llama, quiet
 
-pytestmark = pytest.mark.slow
+# One test waits for its world's spawn: allow for all of its cases.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SEQ, PER_RANK = 16, 2
 STEPS = 4
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ZERO3_FORMATS = ("int4", "nf4", "fp6")
 
 
 def _lora_llama() -> nn.Module:
@@ -131,13 +145,68 @@ def _reloaded_logits(fmt: str, path: str) -> torch.Tensor:
         return model(input_ids=_probe()).logits
 
 
+def _paths(workdir: str | Path, fmt: str) -> tuple[str, str]:
+    """Where the ZeRO-3 run in `fmt` saves its checkpoint and its adapter."""
+    return str(Path(workdir) / f"{fmt}-ckpt"), str(Path(workdir) / f"{fmt}-adapter")
+
+
+def _run_case(rank: int, world: int, case: tuple, workdir: str) -> Any:
+    kind, *args = case
+    if kind == "zero3":
+        return _train_worker(rank, world, args[0], 3, *_paths(workdir, args[0]))
+    if kind == "lower":
+        return _train_worker(rank, world, "int8", args[0], None)
+    return {"bytes": _bytes_worker, "no_masters": _no_masters_worker, "refusal": _refusal_worker}[kind](rank, world)
+
+
+# What each world's one spawn runs, in order.
+CASES = {
+    2: [*(("zero3", f) for f in ZERO3_FORMATS), ("lower", 1), ("lower", 2), ("bytes",), ("no_masters",), ("refusal",)],
+    4: [*(("zero3", f) for f in ZERO3_FORMATS), ("bytes",)],
+}
+
+
+def _all_cases(rank: int, world: int, workdir: str) -> dict[tuple, tuple[str, Any]]:
+    import _break  # a fresh (spawned) process: DS_PLUGIN_TEST_NOOP_STEP must be applied here too
+
+    _break.install()
+    out = {}
+    for case in CASES[world]:
+        try:
+            out[case] = ("ok", _run_case(rank, world, case, workdir))
+        except Exception:  # reported by the case's own test; the next cases still run
+            out[case] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory):
+    """`spawned(world, case)` -> (the spawn's workdir, the case's result on each rank); one spawn per world."""
+    runs: dict[int, Any] = {}
+
+    def results(world: int, case: tuple) -> tuple[Path, list[Any]]:
+        if world not in runs:
+            workdir = tmp_path_factory.mktemp(f"world{world}")
+            try:
+                runs[world] = workdir, run_ranks(_all_cases, world, timeout=840, workdir=str(workdir))
+            except RuntimeError as e:  # the spawn itself failed: every test of this world reports it, once run
+                runs[world] = e
+        if isinstance(runs[world], Exception):
+            raise runs[world]
+        workdir, by_rank = runs[world]
+        for rank, r in enumerate(by_rank):
+            if r[case][0] == "error":
+                pytest.fail(f"rank {rank} of {world}, case {case}:\n{r[case][1]}", pytrace=False)
+        return workdir, [r[case][1] for r in by_rank]
+
+    return results
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("fmt", ["int4", "nf4", "fp6"])
-def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_path):
-    adapter = str(tmp_path / "adapter")
-    results = run_ranks(
-        _train_worker, world, timeout=300, fmt=fmt, stage=3, ckpt=str(tmp_path / "ckpt"), adapter=adapter
-    )
+@pytest.mark.parametrize("fmt", ZERO3_FORMATS)
+def test_lora_on_a_quantized_base_at_zero3_matches_one_process(spawned, world, fmt, tmp_path):
+    workdir, results = spawned(world, ("zero3", fmt))
+    ckpt, adapter = _paths(workdir, fmt)
     ref = _single_process(fmt, world)
     mean = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
     for got, want in zip(mean, ref["losses"], strict=True):
@@ -157,7 +226,7 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_p
     from ds_plugin.export import export_checkpoint
     from ds_plugin.quant.frozen.quantize import quantized_weights
 
-    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "export"))
+    export_checkpoint(ckpt, str(tmp_path / "export"))
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert not any(k.endswith((".codes", ".scales")) for k in exported)
     ref_model = _single_process_model(fmt)
@@ -169,8 +238,8 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(world, fmt, tmp_p
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_lower_stages_store_the_quantized_base_replicated(stage):
-    results = run_ranks(_train_worker, 2, timeout=300, fmt="int8", stage=stage, ckpt=None)
+def test_lower_stages_store_the_quantized_base_replicated(spawned, stage):
+    _, results = spawned(2, ("lower", stage))
     ref = _single_process("int8", 2)
     mean = [sum(r["losses"][i] for r in results) / 2 for i in range(STEPS)]
     for got, want in zip(mean, ref["losses"], strict=True):
@@ -213,8 +282,8 @@ def _bytes_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_frozen_bytes_and_gather_bytes_shrink_with_the_format(world):
-    results = run_ranks(_bytes_worker, world, timeout=240)
+def test_frozen_bytes_and_gather_bytes_shrink_with_the_format(spawned, world):
+    _, results = spawned(world, ("bytes",))
     for r in results:
         base = r["bf16"]
         assert base["local"] == 4 * 512 * 512 * 2 // world
@@ -259,8 +328,8 @@ def _no_masters_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_frozen_parameters_get_no_master_no_gradient_no_optimizer_state():
-    results = run_ranks(_no_masters_worker, 2, timeout=300)
+def test_frozen_parameters_get_no_master_no_gradient_no_optimizer_state(spawned):
+    _, results = spawned(2, ("no_masters",))
     for r in results:
         for stage, got in r.items():
             assert got["dtypes"] == {"frozen": ["torch.bfloat16"], "trainable": ["torch.float32"]}, (stage, got)
@@ -296,8 +365,8 @@ def _refusal_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_layouts_the_gather_cannot_serve_are_refused_in_one_line():
-    for r in run_ranks(_refusal_worker, 2, timeout=120):
+def test_layouts_the_gather_cannot_serve_are_refused_in_one_line(spawned):
+    for r in spawned(2, ("refusal",))[1]:
         assert "0.weight: the int8 weight's 3 rows do not split evenly over 2 ranks" in r["uneven"], r
         assert "hpZ" in r["hpz"] and "zero_hpz_partition_size to 1" in r["hpz"]
         assert "\n" not in r["uneven"] + r["hpz"]

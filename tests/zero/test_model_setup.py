@@ -1,7 +1,8 @@
 """Model setup around the engine: meta-device init and materialisation, block discovery, rank-0 weight sync,
 global-norm clipping, and the one-line errors of setup without a process group or with a stepped optimizer.
 
-Most checks need no process group and run in the test process; the weight sync spawns 2 gloo ranks.
+Most checks need no process group and run in the test process; the two that need one share a spawn of 4 gloo ranks
+(hpZ needs a secondary group smaller than the world).
 """
 
 from __future__ import annotations
@@ -143,11 +144,21 @@ def _unseeded_ranks(rank: int, world: int) -> dict:
     return out
 
 
-def test_every_rank_starts_from_rank0_weights():
+def _four_ranks(rank: int, world: int) -> dict:
+    return {"unseeded": _unseeded_ranks(rank, world), "sharded": _sharded_after_forward(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_ranks(_four_ranks, 4, timeout=240)
+
+
+def test_every_rank_starts_from_rank0_weights(four_ranks):
     # DDP and DeepSpeed copy rank 0's weights at setup; without it, stage 0/1 replicas would silently diverge.
-    for rank, res in enumerate(run_ranks(_unseeded_ranks, 2, timeout=120)):
+    for rank, r in enumerate(four_ranks):
+        res = r["unseeded"]
         assert res[(1, True)] and res[(3, True)], res
-        if rank == 1:  # with the copy turned off, rank 1 keeps (stage 1) or contributes (stage 3) its own draw
+        if rank > 0:  # with the copy turned off, ranks 1-3 keep (stage 1) or contribute (stage 3) their own draw
             assert not res[(1, False)] and not res[(3, False)], res
 
 
@@ -182,10 +193,10 @@ def _sharded_after_forward(rank: int, world: int) -> dict:
     return out
 
 
-def test_root_stays_gathered_for_backward_unless_hpz():
+def test_root_stays_gathered_for_backward_unless_hpz(four_ranks):
     # ZeRO-3 frees each block's gathered weights after forward, but the root (embeddings, head) is needed first
     # by backward: keeping it saves an all-gather per step, as FSDP2's own default does. With hpZ the root keeps
     # a secondary shard like the blocks.
-    for res in run_ranks(_sharded_after_forward, 4, timeout=120):  # hpZ needs k=2 < the world
+    for res in (r["sharded"] for r in four_ranks):  # hpZ needs k=2 < the world
         assert res["zero3"] == {"root": False, "block": True}, res
         assert res["hpz"] == {"root": True, "block": True}, res

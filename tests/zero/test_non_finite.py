@@ -1,6 +1,12 @@
-"""A non-finite gradient without fp16 loss scaling (bf16 / fp32): stop with the parameter's name, or skip the step."""
+"""A non-finite gradient without fp16 loss scaling (bf16 / fp32): stop with the parameter's name, or skip the step.
+
+One 2-rank spawn runs every case in `CASES`; each test checks one.
+"""
 
 from __future__ import annotations
+
+import traceback
+from typing import Any
 
 import pytest
 import torch
@@ -41,9 +47,39 @@ def _worker(rank: int, world: int, policy: str, stage: int, clip: float) -> dict
     return out
 
 
-@pytest.mark.parametrize(("stage", "clip"), [(3, 0.0), (1, 1.0)])
-def test_non_finite_gradient_stops_training_naming_the_parameter(stage, clip):
-    results = run_ranks(_worker, 2, timeout=120, policy="error", stage=stage, clip=clip)
+ERROR_CASES = [(3, 0.0), (1, 1.0)]  # (stage, gradient_clipping)
+SKIP_CASES = [(3, 1.0), (0, 0.0)]
+CASES = [("error", *c) for c in ERROR_CASES] + [("skip", *c) for c in SKIP_CASES]
+
+
+def _all_cases(rank: int, world: int) -> dict[tuple, tuple[str, Any]]:
+    import _break  # a fresh (spawned) process: DS_PLUGIN_TEST_NOOP_STEP must be applied here too
+
+    _break.install()
+    out = {}
+    for case in CASES:
+        try:
+            out[case] = ("ok", _worker(rank, world, *case))
+        except Exception:  # reported by the case's own test
+            out[case] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict]:
+    return run_ranks(_all_cases, 2, timeout=300)
+
+
+def results_of(spawned: list[dict], case: tuple) -> list[dict]:
+    for rank, r in enumerate(spawned):
+        if r[case][0] == "error":
+            pytest.fail(f"rank {rank}, case {case}:\n{r[case][1]}", pytrace=False)
+    return [r[case][1] for r in spawned]
+
+
+@pytest.mark.parametrize(("stage", "clip"), ERROR_CASES)
+def test_non_finite_gradient_stops_training_naming_the_parameter(spawned, stage, clip):
+    results = results_of(spawned, ("error", stage, clip))
     for r in results:
         assert r["stepped"] == [True]  # the first step trained, the second stopped on every rank
         assert r["untouched"]
@@ -51,9 +87,9 @@ def test_non_finite_gradient_stops_training_naming_the_parameter(stage, clip):
         assert "non_finite_gradients" in r["error"]
 
 
-@pytest.mark.parametrize(("stage", "clip"), [(3, 1.0), (0, 0.0)])
-def test_skip_policy_skips_the_step_on_every_rank_and_trains_on(stage, clip):
-    results = run_ranks(_worker, 2, timeout=120, policy="skip", stage=stage, clip=clip)
+@pytest.mark.parametrize(("stage", "clip"), SKIP_CASES)
+def test_skip_policy_skips_the_step_on_every_rank_and_trains_on(spawned, stage, clip):
+    results = results_of(spawned, ("skip", stage, clip))
     for r in results:
         assert r["stepped"] == [True, False, True, True]
         assert r["changed"] == [True, False, True, True]  # the bad step left the weights alone; the rest trained

@@ -1,6 +1,10 @@
 """QLoRA through Lightning: a peft Llama whose frozen base the user stored as NF4 (`quantize_frozen_`), trained
-with `Trainer(strategy="zeropp")` on 2 CPU ranks; the adapter is saved with `save_adapter` and must reproduce the
-trained model's logits on a fresh base stored the same way.
+with `Trainer(strategy="zeropp")` on 2 CPU ranks; the adapter is saved with `save_adapter`.
+
+What is Lightning's here: the strategy reaches ZeRO-3 with the base still quantized and sharded, trains the adapter,
+and `save_adapter(trainer.strategy.engine, ...)` writes it whole. That a LoRA adapter trained on a quantized base at
+ZeRO-3 matches one process and reloads to the trained model's logits is checked once, in
+tests/zero/test_frozen_zero.py.
 """
 
 from __future__ import annotations
@@ -9,14 +13,13 @@ import argparse
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from _tiny_lightning import SEQ, VOCAB, CausalLM, LossRecorder, hf_model, rank, run, token_loader, trainer
+from _tiny_lightning import CausalLM, LossRecorder, hf_model, rank, run, token_loader, trainer
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
     from ds_plugin import quantize_frozen_, save_adapter
     from ds_plugin.quant.frozen.quantize import quantized_weights
@@ -41,24 +44,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     }
     if rank() != 0:
         return out
-    # The trained model, rebuilt outside ZeRO (zeropp's qwZ gathers the unquantized weights lossily, so the
-    # reference is the gathered fp32 adapter on the NF4 base, not a ZeRO++ forward).
-    trained = get_peft_model(
+    # The gathered adapter fits a fresh peft model on the NF4 base: every LoRA tensor whole, by its own name.
+    fresh = get_peft_model(
         hf_model("llama", seed=0), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=QKVO)
     )
-    quantize_frozen_(trained, "nf4")
-    missing = trained.load_state_dict(adapter, strict=False).missing_keys
-    reloaded = PeftModel.from_pretrained(hf_model("llama", seed=0), path).eval()
-    quantize_frozen_(reloaded, "nf4")
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        diff = (reloaded(input_ids=tokens).logits - trained.eval()(input_ids=tokens).logits).abs().max().item()
+    quantize_frozen_(fresh, "nf4")
+    missing = fresh.load_state_dict(adapter, strict=False).missing_keys
     out.update(
         files=sorted(p.name for p in path.iterdir()),
         adapter_keys=len(adapter),
         adapter_loaded=not any("lora_" in k for k in missing),
         lora_b_max=max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k),
-        logits_diff=diff,
     )
     return out
 
