@@ -2,7 +2,7 @@
 
 One launch per run (process start-up dominates): plain Accelerate DDP (the reference), ZeRO-2, ZeRO-3 (saving its
 state at step 3 and the model at the end), ZeRO-3 resumed from that state in a new launch, ZeRO++ in bf16, FP8 in
-one process, and the HF Trainer + trl DPOTrainer. The training script is examples/accelerate/train.py, which never
+one process, and the HF Trainer + trl DPOTrainer. The training script is examples/with_accelerate/train.py, which never
 imports ds_plugin.
 """
 
