@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil  # an Accelerate dependency
 
 # The Accelerate recipe folder: its train.py and the launch configs all three runs use.
-RECIPE_DIR = Path(__file__).resolve().parents[1] / "examples" / "accelerate"
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "examples" / "with_accelerate"
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
 

@@ -1,18 +1,21 @@
-"""What the recipes share: the checks of `--model PATH`, the byte tokenizer they default to, padding, plotting.
+"""What the recipes share: the check of `--model PATH`, the byte tokenizer they default to, padding, plotting.
 
-The recipes next to this file import it as `_recipe_common` (`python examples/x.py`, torchrun and Lightning's
-relaunch put the script's directory first on sys.path; examples/accelerate/ adds its parent). Only the standard
-library is imported here at import time: a recipe checks `--model` before it imports torch, so a wrong path fails at
-once. A wrong `--model` gets one line on stderr and exit code 2, as argparse reports a bad argument.
+The recipes next to this file import it as `_recipe_common` (`python examples/x.py`, torchrun, Lightning's relaunch
+and `-m ds_plugin.accelerate` put the script's directory first on sys.path). A wrong `--model` gets one line on
+stderr and exit code 2, as argparse reports a bad argument.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import NoReturn
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
 EXPECTED = "expected a local transformers checkpoint: a directory with config.json, the weights and the tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -36,18 +39,29 @@ def fail(path: str, problem: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def check_model_arg(architectures: tuple[str, ...] = ()) -> str | None:
-    """Check `--model` in sys.argv from the checkpoint's files alone (nothing heavy imported, nothing loaded): a
-    directory with config.json naming a causal LM (`...ForCausalLM`; with `architectures`, one of those), weights
-    and tokenizer files. Returns the path (None without `--model`); exits with one line on the first problem."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--model")
-    try:
-        path = parser.parse_known_args()[0].model
-    except argparse.ArgumentError:
-        return None  # `--model` without a value: the recipe's own parser says so
-    if path is None:
-        return None
+def first_line(error: Exception) -> str:
+    return next(iter(str(error).splitlines()), type(error).__name__)
+
+
+def describe(architectures: list[str], config: dict) -> str:
+    if architectures:
+        return f"{', '.join(architectures)} (model_type {config.get('model_type')!r})"
+    return f"of model_type {config.get('model_type')!r} (config.json names no architecture)"
+
+
+def check_model(
+    path: str | None,
+    architectures: tuple[str, ...] = (),
+    lora_targets: tuple[str, ...] = (),
+    reward_model: bool = False,
+) -> int:
+    """Check `--model PATH` before anything is loaded: a directory with config.json naming a causal LM
+    (`...ForCausalLM`; with `architectures`, one of those), weights and tokenizer files; transformers builds it (on
+    the meta device: no memory, no weights read), it has every module LoRA targets, and (`reward_model`)
+    transformers has a sequence-classification class for it. Returns the parameter count (0 without `--model`);
+    one line on stderr and exit 2 on the first problem."""
+    if not path:
+        return 0
     where = Path(path)
     if not where.exists():
         fail(path, f"no such directory ({EXPECTED})")
@@ -68,32 +82,7 @@ def check_model_arg(architectures: tuple[str, ...] = ()) -> str | None:
         fail(path, f"no weights (*.safetensors or *.bin) next to config.json ({EXPECTED})")
     if not any((where / name).is_file() for name in TOKENIZER_FILES):
         fail(path, f"no tokenizer ({', '.join(TOKENIZER_FILES)}) next to config.json ({EXPECTED})")
-    return path
-
-
-def first_line(error: Exception) -> str:
-    return next(iter(str(error).splitlines()), type(error).__name__)
-
-
-def describe(architectures: list[str], config: dict) -> str:
-    if architectures:
-        return f"{', '.join(architectures)} (model_type {config.get('model_type')!r})"
-    return f"of model_type {config.get('model_type')!r} (config.json names no architecture)"
-
-
-def check_model_build(path: str | None, lora_targets: tuple[str, ...] = (), reward_model: bool = False) -> int:
-    """What the files cannot tell, once the recipe has imported torch: transformers builds the causal LM (on the
-    meta device: no memory, no weights read), it has every module LoRA targets, and (`reward_model`) transformers
-    has a sequence-classification class for it. Returns the parameter count (0 without `--model`); one line and
-    exit 2 otherwise."""
-    if not path:
-        return 0
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-
-    config = json.loads((Path(path) / "config.json").read_text())
-    found = describe(config.get("architectures") or [], config)
+    found = describe(found, config)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
@@ -115,8 +104,6 @@ def load_tokenizer(path: str | None):
     """The byte tokenizer, or `--model`'s own (offline), padding with EOS where it has no pad token."""
     if not path:
         return ByteTokenizer()
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.eos_token_id is None:
         fail(path, "its tokenizer has no EOS token, which ends every answer the recipe trains on")
@@ -128,8 +115,6 @@ def load_tokenizer(path: str | None):
 def pad(rows: list[list[int]], pad_id: int, device=None, left: bool = False) -> tuple:
     """Token rows padded to one width (`left`: on the left, so that every row's last token is its own), and the
     attention mask, built from the lengths: a tokenizer may pad with EOS, which is also a real token."""
-    import torch
-
     fill = [max(map(len, rows)) - len(r) for r in rows]
     ids = [[pad_id] * n + r if left else r + [pad_id] * n for r, n in zip(rows, fill, strict=True)]
     mask = [[0] * n + [1] * len(r) if left else [1] * len(r) + [0] * n for r, n in zip(rows, fill, strict=True)]
@@ -164,10 +149,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def lora_sft_model(lora_rank: int, model_path: str | None = None):
     """The same random tiny Llama on every call (fixed seed), or --model's checkpoint, with LoRA on every projection
     (none for lora_rank=0)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     if model_path:
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
@@ -197,8 +178,6 @@ class SftExamples:
     -100). A map-style dataset: a DataLoader (and the samplers Lightning and Accelerate add) index it."""
 
     def __init__(self, rows: list[dict], length: int, tok, seed: int = 0) -> None:
-        import torch
-
         gen = torch.Generator().manual_seed(seed)
         self.rows, self.tok = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()], tok
 

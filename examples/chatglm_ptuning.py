@@ -11,7 +11,8 @@ frozen, and only the prefix encoder is trained and saved. The data is examples/d
 the GLM is a tiny random one built from a config and the text is read as bytes (nothing is downloaded);
 `--model PATH` loads a local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM) and its tokenizer instead. Compute
 is bf16 on GPUs and on CPUs with bf16 units, else fp32 (a CPU without them runs bf16 matmuls ~8x slower). At the
-end the saved prefix is reloaded onto a fresh base and must reproduce the trained model's logits and generations.
+end the prefix is saved with `ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto
+the base.
 """
 
 from __future__ import annotations
@@ -23,16 +24,11 @@ import time
 import warnings
 from pathlib import Path
 
-from _recipe_common import check_model_arg, load_tokenizer, pyplot, save_figure
-
-# A wrong --model fails here, with one line, before the imports below take their seconds.
-check_model_arg(architectures=("GlmForCausalLM", "Glm4ForCausalLM"))
-# ruff: noqa: E402
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from peft import PeftModel, PrefixTuningConfig, get_peft_model
+from _recipe_common import check_model, load_tokenizer, pyplot, save_figure
+from peft import PrefixTuningConfig, get_peft_model
 from tqdm import tqdm
 
 import ds_plugin
@@ -110,31 +106,6 @@ def generate(model, tok, content: str, device: torch.device, new_tokens: int = 4
     return tok.decode(out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out, skip_special_tokens=True)
 
 
-def check_reload(args, tok, path: Path, rows: list[dict], trained_logits, prompts, trained_text, device) -> float:
-    """Rank 0: a fresh base stored as in training (compute dtype, same frozen format) plus the saved prefix must
-    give the trained model's logits and generations. Returns how far padding one row moves its logits, which
-    is zero only when the attention mask covers the prefix and hides the padding."""
-    model = PeftModel.from_pretrained(build_base(args.model), path).to(device).eval()
-    for p in model.parameters():  # parameters only: the engine keeps buffers (rotary inv_freq) in fp32 too
-        p.data = p.data.to(DTYPES[args.precision])
-    if args.frozen_format != "none":
-        ds_plugin.quantize_frozen_(model, args.frozen_format)
-    ids, _, mask = collate(tok, rows, device)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    keep = mask.bool()
-    diff = (logits - trained_logits)[keep].abs().max().item()
-    tolerance = 1e-4 if args.precision == "fp32" else 0.1 * logits[keep].abs().max().item() * 2**-8
-    assert diff <= tolerance, f"the reloaded prefix's logits differ from the trained model's by {diff}"
-    again = [generate(model, tok, p, device) for p in prompts]
-    assert again == trained_text, f"the reloaded prefix generates {again}, the trained one {trained_text}"
-    short = int(mask.sum(1).argmin())
-    length = int(mask[short].sum())
-    with torch.no_grad():
-        alone = model(input_ids=ids[short : short + 1, :length]).logits[0].float()
-    return (alone - logits[short, :length]).abs().max().item()
-
-
 def plot(losses: list[float], evals: list[tuple[int, float]], title: str, path: Path) -> None:
     if (plt := pyplot()) is None:
         return
@@ -165,8 +136,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-2, help="ChatGLM's P-Tuning v2 default")
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank per step")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/chatglm_ptuning"))
-    parser.add_argument("--smoke", action="store_true", help="a short run that asserts the held-out loss went down")
+    parser.add_argument("--smoke", action="store_true", help="a short run: 60 steps")
     args = parser.parse_args()
+    check_model(args.model, architectures=("GlmForCausalLM", "Glm4ForCausalLM"))  # a wrong --model: one line
     args.steps = args.steps or (60 if args.smoke else 500)
     tok = load_tokenizer(args.model)  # bytes by default; a tokenizer without a pad token pads with EOS
     start = time.perf_counter()
@@ -223,14 +195,10 @@ def main() -> None:
             bar.write(f"step {step + 1:4d}  held-out loss {evals[-1][1]:.3f}  next-token accuracy {evals[-1][2]:.2f}")
 
     engine.eval()
-    # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 keeps them for the reload check.
+    # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 prints them.
     after_text = [generate(engine, tok, s, device) for s in samples]
-    ids, _, mask = collate(tok, held_out[:4], device)
-    with torch.no_grad():
-        trained_logits = engine(input_ids=ids, attention_mask=mask).logits.float()
     path = ds_plugin.save_adapter(engine, args.out_dir / "prefix")  # only the prefix encoder's output is written
     if rank == 0:
-        pad_diff = check_reload(args, tok, path, held_out[:4], trained_logits, samples, after_text, device)
         (before, acc0), (after, acc1) = evals[0][1:], evals[-1][1:]
         plot(losses, [(s, v) for s, v, _ in evals], f"P-Tuning v2 (pre_seq_len {args.pre_seq_len}), GLM, ZeRO-"
              f"{args.stage} {args.precision}", args.out_dir / "chatglm_ptuning.png")  # fmt: skip
@@ -240,15 +208,11 @@ def main() -> None:
         print(f"held-out answer loss {before:.3f} -> {after:.3f}, next-token accuracy {acc0:.2f} -> {acc1:.2f}")
         for s, b, a in zip(samples, before_text, after_text, strict=True):
             print(f"  {s}\n    before: {b!r}\n    after:  {a!r}")
-        print(f"prefix saved to {path}; on a fresh base: the same logits and generations (padding a row moves its "
-              f"logits by {pad_diff:.1e})")  # fmt: skip
+        print(f"prefix saved to {path}")
         summary = {"recipe": "chatglm_ptuning", "metric": "heldout_answer_loss", "before": before, "after": after,
                    "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
         (args.out_dir / "summary.json").write_text(json.dumps({**summary, "evals": evals, "after_text": after_text}))
         print(json.dumps(summary))
-        assert pad_diff < 0.05, f"padding a row changed its logits by {pad_diff}: the mask does not cover the prefix"
-        if args.smoke:
-            assert after < before, f"held-out loss did not go down: {before} -> {after}"
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,9 +8,10 @@ match (greedy answer == the digits) measures what the adapter learned. The base 
 (nothing is downloaded) and stays frozen, its Linear weights stored as INT4 codes by the strategy
 (`frozen_format`) and sharded by ZeRO-3; LoRA adapters on every projection are the only trained weights. Text is
 read as bytes, so no tokenizer is needed; `--model PATH` loads a local checkpoint (a causal LM with Llama's
-projections) and its tokenizer instead. At the end the adapter is saved with `ds_plugin.save_adapter`, reloaded
-onto a fresh base stored the same way, and must give the trained weights' logits. Lightning starts the second
-process by running this script again. On 8 GPUs: `python examples/lora_sft.py --devices 8 --precision bf16-mixed`.
+projections) and its tokenizer instead. At the end the adapter is saved with `ds_plugin.save_adapter`: a peft
+folder that `PeftModel.from_pretrained` loads onto a base stored the same way (`ds_plugin.quantize_frozen_`).
+Lightning starts the second process by running this script again. On 8 GPUs:
+`python examples/lora_sft.py --devices 8 --precision bf16-mixed`.
 """
 
 from __future__ import annotations
@@ -24,25 +25,20 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from _recipe_common import (
     LORA_TARGETS,
     SftExamples,
     arithmetic_rows,
-    check_model_arg,
-    check_model_build,
+    check_model,
     load_tokenizer,
     lora_sft_model,
     pad,
     plot_sft,
     until,
 )
-
-check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
-# ruff: noqa: E402
-
-import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
 
@@ -115,25 +111,6 @@ class LoRASFT(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def check_reload(path: Path, adapter: dict, args, tok, prompts: list[str]) -> tuple[float, list[str]]:
-    """Load the saved adapter onto a fresh base stored in the same format (what a user of the adapter gets) and
-    compare its logits with the trained weights' (the gathered fp32 masters on the same base); returns the
-    largest logit difference and the reloaded model's answers."""
-    from peft import PeftModel
-
-    reloaded = PeftModel.from_pretrained(lora_sft_model(0, args.model), path).eval()
-    trained = lora_sft_model(next(v.shape[0] for k, v in adapter.items() if "lora_A" in k), args.model).eval()
-    missing = trained.load_state_dict(adapter, strict=False).missing_keys
-    assert not any("lora_" in k for k in missing), "the gathered adapter does not fit the model"
-    for model in (reloaded, trained):
-        ds_plugin.quantize_frozen_(model, args.frozen_format)
-    rows = [tok.encode(p) for p in prompts]
-    ids = torch.tensor([r for r in rows if len(r) == len(rows[0])])  # one length: no padding
-    with torch.no_grad():
-        diff = (reloaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
-    return diff, [a for i in range(0, len(prompts), 50) for a in greedy(reloaded, tok, prompts[i : i + 50])]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -147,11 +124,11 @@ def main() -> None:
     parser.add_argument("--devices", default=None, help="default: 2 processes on CPU, every GPU otherwise")
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: a tiny random Llama)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lora_sft"))
-    parser.add_argument("--smoke", action="store_true", help="a short run that asserts exact match went up")
+    parser.add_argument("--smoke", action="store_true", help="a short run: 120 steps, one evaluation")
     args = parser.parse_args()
+    params = check_model(args.model, lora_targets=LORA_TARGETS)  # a wrong --model: one line, before anything loads
     if args.smoke:
         args.steps, args.evals = 120, 1
-    params = check_model_build(args.model, LORA_TARGETS)  # the rest of the --model check, now that torch is imported
     base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
     tok = load_tokenizer(args.model)  # bytes by default
     start = time.perf_counter()
@@ -190,16 +167,11 @@ def main() -> None:
     losses = torch.stack(module.losses)
     if dist.is_initialized():
         dist.all_reduce(losses, op=dist.ReduceOp.AVG)
-    # Both collective: every rank calls them, rank 0 gets the whole adapter and writes the files.
-    adapter = trainer.strategy.full_state_dict(module.model, trainable_only=True)
+    # Collective: every rank calls it, rank 0 gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(engine, args.out_dir / "adapter")
     if trainer.is_global_zero:
         before, after = module.history[0][1], module.history[-1][1]
-        prompts = [r["prompt"] for r in held_out]
-        diff, reloaded = check_reload(path, adapter, args, tok, prompts)
-        # The engine's own answers: under ZeRO++ its forward gathers weights as INT8 (qwZ), so a near tie may tip.
-        trained = [module.predictions[i] for i in range(len(held_out))]
-        agree = sum(a == b for a, b in zip(reloaded, trained, strict=True)) / len(trained)
+        answers = [module.predictions[i] for i in range(len(held_out))]  # the last evaluation
         seconds = time.perf_counter() - start
         stage = trainer.strategy.config.stage
         print(
@@ -207,12 +179,9 @@ def main() -> None:
         )
         print(f"answer loss {losses[:10].mean():.3f} -> {losses[-10:].mean():.3f} in {args.steps} steps")
         print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums); e.g.")
-        for r, a in list(zip(held_out, trained, strict=True))[:4]:
+        for r, a in list(zip(held_out, answers, strict=True))[:4]:
             print(f"  {r['prompt']!r} -> {a!r} (want {r['answer']!r})")
-        print(
-            f"adapter saved to {path}; reloaded onto a fresh {args.frozen_format} base: logits within {diff:.1e} "
-            f"of the trained weights', same answer as the training forward on {agree:.0%}"
-        )
+        print(f"adapter saved to {path}")
         plot_sft(
             losses.tolist(),
             module.history,
@@ -222,11 +191,10 @@ def main() -> None:
         )
         summary = {"recipe": "lora_sft", "metric": "heldout_exact_match", "before": before, "after": after,
                    "seconds": round(seconds, 1)}  # fmt: skip
-        (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": module.history}))
+        (args.out_dir / "summary.json").write_text(
+            json.dumps({**summary, "history": module.history, "answers": answers})
+        )
         print(json.dumps(summary))
-        assert diff < 1e-4, f"the reloaded adapter's logits differ from the trained weights' by {diff}"
-        if args.smoke:
-            assert after > before, f"held-out exact match did not go up: {before} -> {after}"
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

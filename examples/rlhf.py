@@ -23,14 +23,10 @@ import warnings
 from functools import partial
 from pathlib import Path
 
-from _recipe_common import check_model_arg, check_model_build, load_tokenizer, pad, pyplot, save_figure, until
-
-check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
-# ruff: noqa: E402
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _recipe_common import check_model, load_tokenizer, pad, pyplot, save_figure, until
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.optim import AdamW
 from tqdm import tqdm
@@ -254,15 +250,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="sampled answers per held-out question")
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: tiny random Llamas)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/rlhf"))
-    parser.add_argument("--smoke", action="store_true", help="short steps that assert every signal's direction")
+    parser.add_argument("--smoke", action="store_true", help="a short run: 40 SFT, 30 reward and 20 DPO steps")
     args = parser.parse_args()
+    check_model(args.model, reward_model=True)  # a wrong --model: one line, before anything loads
     if args.smoke:
         args.sft_steps, args.rm_steps, args.dpo_steps, args.samples = 40, 30, 20, 2
     start = time.perf_counter()
     # Two processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     global DEVICE, TOK
-    check_model_build(args.model, reward_model=True)  # the rest of the --model check, now that torch is imported
     TOK = load_tokenizer(args.model)
     if torch.cuda.is_available():
         DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -287,11 +283,6 @@ def main() -> None:
         last = results[chosen[-1]]
         print(json.dumps({"recipe": "rlhf", "metric": last["metric"], "before": last["before"], "after": last["after"],
                           "seconds": round(time.perf_counter() - start, 1)}))  # fmt: skip
-        for name, r in results.items() if args.smoke else ():
-            better = r["after"] < r["before"] if name == "sft" else r["after"] > r["before"]
-            assert better, f"{name}: {r['metric']} went the wrong way: {r['before']} -> {r['after']}"
-        if args.smoke and "dpo" in results:
-            assert acc1 > acc0 and margin1 > margin0, "DPO preference accuracy/margin did not go up"
     dist.barrier()
     dist.destroy_process_group()
 

@@ -23,7 +23,7 @@ import psutil
 __all__ = ["EXAMPLES", "REPO", "SCRIPTS", "accelerate_launch", "clean_env", "free_port", "launch_cmd", "run"]
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples" / "accelerate"
+EXAMPLES = REPO / "examples" / "with_accelerate"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CPU_YAML = EXAMPLES / "cpu_2proc.yaml"
 _LAUNCH_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",

@@ -5,7 +5,7 @@ end), ZeRO-3 resumed from that state in a new launch, ZeRO++ in bf16, FP8 in one
 DPOTrainer, and the FSDP2-style order in fp16. Process start-up dominates, so the runs share three launches
 (scripts/runs.py calls each script's `main()` in turn, resetting Accelerate's state between them): the 2-process
 trainings, the resumed run with the HF/trl parts, and the 1-process runs. The training script is
-examples/accelerate/train.py, which never imports ds_plugin.
+examples/with_accelerate/train.py, which never imports ds_plugin.
 """
 
 from __future__ import annotations

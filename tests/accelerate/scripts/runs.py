@@ -2,7 +2,7 @@
 
     accelerate launch ... -m ds_plugin.accelerate --ds-config C runs.py --out runs.json --runs '<JSON list>'
 
-Each run is {"name", "script", "args", "config"}: the script (examples/accelerate/train.py, or a script here with a
+Each run is {"name", "script", "args", "config"}: the script (examples/with_accelerate/train.py, or a script here with a
 `main()` that reads `sys.argv`) is imported once and its `main()` called with `args`. `config` is what the run's
 `Accelerator` reads from `DS_PLUGIN_CONFIG` (where the bootstrap puts `--ds-config`); `"plain"` gives the script
 Accelerate's own `Accelerator` instead, the class ds_plugin's subclasses (the DDP reference). Between runs

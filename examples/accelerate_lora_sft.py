@@ -1,8 +1,9 @@
 """LoRA SFT on an INT4 frozen base with ZeRO++, as an Accelerate script: examples/lora_sft.py's recipe, same data.
 
-    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml -m ds_plugin.accelerate --ds-config zeropp \
-        examples/accelerate/lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] [--model PATH] [--smoke]
-    torchrun --standalone --nproc-per-node 2 examples/accelerate/lora_sft.py      # the same, ZeRO++ by default
+    accelerate launch --config_file examples/with_accelerate/cpu_2proc.yaml -m ds_plugin.accelerate \
+        --ds-config zeropp examples/accelerate_lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] \
+        [--model PATH] [--smoke]
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_lora_sft.py      # the same, ZeRO++ by default
 
 A tiny Llama built from a config (nothing is downloaded) learns single-digit sums (examples/data/arithmetic.jsonl)
 through LoRA adapters on every projection; its frozen Linear weights are stored as INT4 codes and sharded by the
@@ -10,7 +11,7 @@ engine. Held-out exact match is the signal: one row in five is held out, its sum
 `--model PATH` loads a local checkpoint (a causal LM with Llama's projections) and its tokenizer instead.
 Written against `ds_plugin.accelerate.Accelerator`: the DeepSpeed config comes from `--ds-config` when launched
 through `-m ds_plugin.accelerate`, else from `--config`. At the end the adapter is saved with
-`ds_plugin.save_adapter`, reloaded onto a fresh base stored the same way, and must give the trained logits.
+`ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto a base stored the same way.
 """
 
 from __future__ import annotations
@@ -19,41 +20,30 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 import warnings
 from functools import partial
 from pathlib import Path
 
-# The helpers the recipes share sit in examples/; running this file puts only examples/accelerate/ on sys.path.
-# Appended, not first: examples/accelerate/ must not shadow the accelerate package.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-# ruff: noqa: E402
+import torch
 from _recipe_common import (
     LORA_TARGETS,
     SftExamples,
     arithmetic_rows,
-    check_model_arg,
-    check_model_build,
+    check_model,
     load_tokenizer,
     lora_sft_model,
     pad,
     plot_sft,
     until,
 )
-
-check_model_arg()  # a wrong --model fails here, with one line, before the imports below take their seconds
-
-import torch
 from accelerate.utils import gather_object, set_seed
-from peft import PeftModel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 import ds_plugin
 from ds_plugin.accelerate import CONFIG_ENV, Accelerator, ZeroPlugin
 from ds_plugin.accelerate.accelerator import describe_plan
-from ds_plugin.peft_adapters import full_state_dict
 
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -101,11 +91,11 @@ def main() -> None:
     parser.add_argument("--mixed-precision", default=None, choices=["no", "bf16"], help="default: bf16 on GPUs")
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: a tiny random Llama)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/accelerate_lora_sft"))
-    parser.add_argument("--smoke", action="store_true", help="a short run that asserts exact match went up")
+    parser.add_argument("--smoke", action="store_true", help="a short run: 120 steps, one evaluation")
     args = parser.parse_args()
+    params = check_model(args.model, lora_targets=LORA_TARGETS)  # a wrong --model: one line, before anything loads
     if args.smoke:
         args.steps, args.evals = 120, 1
-    params = check_model_build(args.model, LORA_TARGETS)  # the rest of the --model check, now that torch is imported
     base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
     tok = load_tokenizer(args.model)  # bytes by default
     start = time.perf_counter()
@@ -146,28 +136,15 @@ def main() -> None:
             history.append((step, em))
             bar.write(f"step {step:4d}  held-out exact match {em:.2f}")
 
-    # Collective: every process calls them; the main one gets the whole adapter and writes the files.
-    adapter = full_state_dict(accelerator.engine, trainable_only=True)
+    # Collective: every process calls it; the main one gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(accelerator.engine, args.out_dir / "adapter")
     if accelerator.is_main_process:
-        reloaded = PeftModel.from_pretrained(lora_sft_model(0, args.model), path).eval()
-        trained = lora_sft_model(args.lora_rank, args.model).eval()
-        trained.load_state_dict(adapter, strict=False)
-        for m in (reloaded, trained):
-            ds_plugin.quantize_frozen_(m, args.frozen_format)
-        rows = [tok.encode(r["prompt"]) for r in held_out]
-        ids = torch.tensor([r for r in rows if len(r) == len(rows[0])])  # one length: no padding
-        with torch.no_grad():
-            diff = (reloaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
-        again = greedy(reloaded, tok, [r["prompt"] for r in held_out], "cpu")
-        agree = sum(a == b for a, b in zip(again, answers, strict=True)) / len(answers)
         before, after = history[0][1], history[-1][1]
         plan = describe_plan(accelerator.engine.plan)
         print(f"\n{plan}; {args.frozen_format} frozen base ({base}); LoRA r={args.lora_rank}")
         print(f"answer loss {sum(losses[:10]) / 10:.3f} -> {sum(losses[-10:]) / 10:.3f} in {args.steps} steps")
         print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums)")
-        print(f"adapter saved to {path}; reloaded onto a fresh {args.frozen_format} base: logits within {diff:.1e} of "
-              f"the trained weights', same answer as the training forward on {agree:.0%}")  # fmt: skip
+        print(f"adapter saved to {path}")
         plot_sft(
             losses,
             history,
@@ -177,11 +154,8 @@ def main() -> None:
         )
         summary = {"recipe": "accelerate_lora_sft", "metric": "heldout_exact_match", "before": before,
                    "after": after, "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
-        (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": history}))
+        (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": history, "answers": answers}))
         print(json.dumps(summary))
-        assert diff < 1e-4, f"the reloaded adapter's logits differ from the trained weights' by {diff}"
-        if args.smoke:
-            assert after > before, f"held-out exact match did not go up: {before} -> {after}"
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also destroys the process group
 

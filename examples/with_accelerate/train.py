@@ -1,11 +1,11 @@
 """A plain Accelerate training script (it never imports ds_plugin): a tiny GPT-2 learning a byte corpus.
 
 Plain Accelerate (DDP):
-    ACCELERATE_USE_CPU=true accelerate launch --config_file examples/accelerate/cpu_2proc.yaml \
-        examples/accelerate/train.py
+    ACCELERATE_USE_CPU=true accelerate launch --config_file examples/with_accelerate/cpu_2proc.yaml \
+        examples/with_accelerate/train.py
 The same script on ds_plugin's ZeRO engine:
-    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml -m ds_plugin.accelerate \
-        --ds-config examples/accelerate/zero3.json examples/accelerate/train.py
+    accelerate launch --config_file examples/with_accelerate/cpu_2proc.yaml -m ds_plugin.accelerate \
+        --ds-config examples/with_accelerate/zero3.json examples/with_accelerate/train.py
 
 Written like Accelerate's own examples: `accelerator.prepare`, `accumulate`, `backward`, `clip_grad_norm_`,
 `gather_for_metrics`, `save_state`/`load_state` with `skip_first_batches`, and `save_pretrained` with
