@@ -21,6 +21,7 @@ from torch import nn
 
 from ds_plugin.config import ConfigError, from_deepspeed
 from ds_plugin.launch import run_ranks
+from ds_plugin.zero.plan import resolve_plan
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 WORLD = 2
@@ -274,11 +275,11 @@ def test_bad_settings_fail_in_one_line(overrides: dict, needle: str) -> None:
         raw[key] = value
     config = from_deepspeed(raw)
     with pytest.raises(ConfigError) as err:
-        config.resolve(world_size=4)
+        resolve_plan(config, world_size=4)
     message = str(err.value)
     assert needle in message and "\n" not in message and message.startswith("fp8.all_gather: ")
 
 
 def test_hpz_group_of_all_ranks_is_plain_stage3() -> None:
     raw = {**_config("tensorwise", True), "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}
-    assert from_deepspeed(raw).resolve(world_size=4).fp8.all_gather
+    assert resolve_plan(from_deepspeed(raw), world_size=4).config.fp8.all_gather
