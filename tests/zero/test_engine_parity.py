@@ -1,4 +1,4 @@
-"""Numerics of ZeRO stages 0-3 against plain DDP on gloo at world sizes 1, 2 and 4.
+"""Numerics of ZeRO stages 0-3 against plain DDP on gloo at world sizes 1, 2 and 4 (4, with hpZ, in the `long` tier).
 
 One spawn per world size trains everything (the process start, not the steps, is what costs on two cores);
 the tests then check the recorded numbers:
@@ -143,7 +143,8 @@ def _clipping(rank: int, world: int, out: dict) -> None:
         out["clip", stage]["moved"] = _max_moved(engine.module, initial)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
+# World 4 (hpZ's only world, the costliest spawn) is in the `long` tier; 1 and 2 run in every bare `pytest`.
+@pytest.fixture(scope="module", params=[1, 2, pytest.param(4, marks=pytest.mark.long)], ids=lambda w: f"world{w}")
 def parity(request) -> tuple[int, list[dict]]:
     world = request.param
     return world, run_ranks(_parity_worker, world, timeout=400)

@@ -1,7 +1,8 @@
 """Frozen weights under the engine: no fp32 masters, quantized storage sharded and gathered as codes (gloo ranks).
 
-One spawn per world size (2 and 4) runs every case in `CASES` and hands back each case's result, or its traceback;
-each test then checks one case (process start-up, not the steps, is what costs on two cores).
+One spawn per world size (2, and 4 in the `long` tier) runs every case in `CASES` and hands back each case's
+result, or its traceback; each test then checks one case (process start-up, not the steps, is what costs on two
+cores).
 
 This file holds the parity check of LoRA on a quantized base at ZeRO-3 against one process (every frozen format,
 2 and 4 ranks). The Lightning (tests/strategies/scripts/qlora_zeropp.py), Accelerate/trl
@@ -202,7 +203,11 @@ def spawned(tmp_path_factory: pytest.TempPathFactory):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# The 4-rank spawn (every case again at 4 ranks) is in the `long` tier; 2 ranks run in every bare `pytest`.
+WORLDS = [2, pytest.param(4, marks=pytest.mark.long)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("fmt", ZERO3_FORMATS)
 def test_lora_on_a_quantized_base_at_zero3_matches_one_process(spawned, world, fmt, tmp_path):
     workdir, results = spawned(world, ("zero3", fmt))
@@ -281,7 +286,7 @@ def _bytes_worker(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_frozen_bytes_and_gather_bytes_shrink_with_the_format(spawned, world):
     _, results = spawned(world, ("bytes",))
     for r in results:
