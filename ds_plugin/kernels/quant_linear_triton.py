@@ -309,10 +309,21 @@ def _jit(fn: Callable[..., None]) -> Any:
     if key not in _jitted:
         namespace = dict(fn.__globals__)
         for helper in _HELPERS:
-            namespace[helper.__name__] = triton.jit(types.FunctionType(helper.__code__, namespace, helper.__name__))
+            namespace[helper.__name__] = triton.jit(_rebound(helper, namespace))
         # M is not specialised: Triton would compile M == 1 apart from every other M, for no gain here.
-        _jitted[key] = triton.jit(types.FunctionType(fn.__code__, namespace, fn.__name__), do_not_specialize=["M"])
+        _jitted[key] = triton.jit(_rebound(fn, namespace), do_not_specialize=["M"])
     return _jitted[key]
+
+
+def _rebound(fn: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` with ``namespace`` as its globals, its annotations kept: ``tl.constexpr`` parameters are known to
+    Triton by their annotation, and ``types.FunctionType`` copies none (a launch would pass BM as an i32 and fail
+    to compile: "arange's arguments must be of type tl.constexpr")."""
+    rebound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    rebound.__annotations__ = dict(fn.__annotations__)
+    rebound.__kwdefaults__ = fn.__kwdefaults__
+    rebound.__module__, rebound.__qualname__ = fn.__module__, fn.__qualname__
+    return rebound
 
 
 # ------------------------------------------------------------------------------------------------------ host side
