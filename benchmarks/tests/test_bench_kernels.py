@@ -252,3 +252,19 @@ def test_bench_kernels_passes_when_the_kernels_ran(interpreter, fake_gpu, tmp_pa
     assert report["strict"] is True and len(report["rows"]) == 3
     assert {r["backend"] for r in report["rows"]} == {"triton"}
     assert json.loads(next(tmp_path.glob("kernels-*.json")).read_text())["rows"] == report["rows"]
+
+
+def test_gpu_check_names_rows_the_kernels_did_not_serve():
+    from benchmarks.gpu_check import check_rows
+
+    report = {
+        "runs": [
+            {"numel": 1 << 20, "bits": 8, "backend": "triton"},
+            {"numel": 1 << 20, "bits": 4, "backend": "reference"},
+        ],
+        "linear": [{"format": "fp6", "backend": "triton"}, {"format": "int4"}],
+    }
+    assert check_rows(report) == [
+        "quantizer numel=1048576 bits=4: not served by the Triton kernels",
+        "linear int4: not served by the Triton kernels",
+    ]
