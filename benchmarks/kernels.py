@@ -115,7 +115,18 @@ def _gemlite_int4(w_shape: tuple[int, int], device: torch.device, gen: torch.Gen
         return None
 
 
-def _row(kernel: str, n: int, k: int, m: int, kind: str, us: float, bf16_us: float, nbytes: int, peak: float | None):
+def _row(
+    kernel: str,
+    n: int,
+    k: int,
+    m: int,
+    kind: str,
+    us: float,
+    bf16_us: float,
+    nbytes: int,
+    peak: float | None,
+    backend: str,
+) -> dict[str, Any]:
     return {
         "kernel": kernel,
         "N": n,
@@ -126,6 +137,7 @@ def _row(kernel: str, n: int, k: int, m: int, kind: str, us: float, bf16_us: flo
         "bf16_latency_us": bf16_us,
         "speedup_vs_bf16": bf16_us / us,
         "bandwidth_fraction": None if peak is None else nbytes / (us * 1e-6) / peak,
+        "backend": backend,
     }
 
 
@@ -214,16 +226,14 @@ def _shape_rows(
                 fmt,
                 lambda f=fmt: quantized_linear(x, stored[f], f, GROUP_SIZE[f], None),  # noqa: B023
             )
-            rows.append(
-                _row(fmt, n, k, m, "fwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak) | {"backend": backend}
-            )
+            rows.append(_row(fmt, n, k, m, "fwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak, backend))
             logger.info("%s N=%d K=%d M=%d: %.1f us (bf16 %.1f us, %s)", fmt, n, k, m, us, bf16_us, backend)
         if gl is not None:
             try:
                 us = _median_us(lambda: gl(x))  # noqa: B023
-                row = _row("gemlite_int4", n, k, m, "fwd", us, bf16_us, n * k // 2 + 4 * n * k // 64, peak)
                 # GemLite's own Triton kernels, not counted here: check_kernel_rows covers ours only.
-                rows.append(row | {"backend": "triton"})
+                nbytes = n * k // 2 + 4 * n * k // 64
+                rows.append(_row("gemlite_int4", n, k, m, "fwd", us, bf16_us, nbytes, peak, "triton"))
             except Exception as e:
                 logger.warning("gemlite int4 at M=%d failed: %s", m, e)
     if backward_m in m_values:
@@ -234,8 +244,8 @@ def _shape_rows(
             us, backend = _timed_op(
                 "bwd", fmt, lambda f=fmt: quantized_linear_grad_input(dy, stored[f], f, GROUP_SIZE[f], k)
             )
-            row = _row(fmt, n, k, backward_m, "bwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak)
-            rows.append(row | {"backend": backend})
+            nbytes = weight_bytes[fmt] + act_bytes
+            rows.append(_row(fmt, n, k, backward_m, "bwd", us, bf16_us, nbytes, peak, backend))
     return rows
 
 
