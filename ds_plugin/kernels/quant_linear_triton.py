@@ -473,7 +473,9 @@ class Launch:
 
         Triton's own binder reads the arguments (types from the tensors' dtypes and the ints' ranges, 16-divisibility
         of pointers and ints, constexprs by annotation), as at a real launch; no device is needed, so meta tensors
-        stand in for real ones (their pointers read as 16-byte aligned, as torch's allocations are).
+        stand in for real ones (their pointers read as 16-byte aligned, as torch's allocations are). The binder is
+        Triton's private one (``create_function_from_signature`` and ``JITFunction._pack_args``, which
+        ``JITFunction.run`` calls; the same in Triton 3.6 and 3.9): reading it is what keeps this exact.
 
         Args:
             arch: the compute capability, e.g. 90 for H100/H200.
