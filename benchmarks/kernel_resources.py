@@ -10,6 +10,11 @@ software pipeline's loads) the PTX holds::
     ds-plugin bench kernel-resources --arch 90 [--json] [--out report.json]
 
 A tiling over the device's shared memory is skipped by the op's tuner at run time; one that spills runs slowly.
+
+Each build is of the launch the op issues (:func:`launch_for`: the kernel module's own ``forward_launch`` /
+``backward_launch`` on meta tensors of Llama-2-70B's o_proj, no bias; Triton's binder reads its signature and
+specialisations), so it cannot drift from what runs on the GPU. Triton 3.6 and 3.9 both build these offline, on a
+machine without a GPU or CUDA install, with the ptxas they ship.
 """
 
 from __future__ import annotations
@@ -23,57 +28,81 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 import triton
 from tqdm import tqdm
 
 from ds_plugin.kernels import quant_linear_triton as qlt
 
-__all__ = ["SHARED_MEMORY_LIMIT", "candidate_tilings", "compile_for", "ptxas_usage", "report"]
+__all__ = ["SHARED_MEMORY_LIMIT", "candidate_tilings", "compile_for", "launch_for", "ptxas_usage", "report"]
 
 # Opt-in shared memory per block (bytes), by compute capability: A100 163 KiB, L40/4090 99 KiB, H100/H200 227 KiB.
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 _DTYPES = ("bf16", "fp16")
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SHAPE_CLASSES = (("M<=16", 16), ("16<M<=128", 128), ("M>128", 4096))
 
 
-def compile_for(kind: str, fmt: str, dtype: str, cfg: qlt.Config, arch: int = 90, group: int = 128) -> Any:
-    """The forward (``kind="fwd"``) or backward kernel compiled for ``sm_<arch>``, as a launch would specialise it.
+def launch_for(
+    kind: str,
+    fmt: str,
+    dtype: str,
+    cfg: qlt.Config,
+    group: int = 128,
+    *,
+    bias: str | None = None,
+    n: int = 8192,
+    k: int = 8192,
+    m: int = 16,
+) -> qlt.Launch:
+    """The launch the op issues for an ``(m, k)`` input on an ``n x k`` weight, built by the kernel module's own
+    :func:`~ds_plugin.kernels.quant_linear_triton.forward_launch` / ``backward_launch`` on meta tensors (no memory).
 
     Args:
         kind: "fwd" or "bwd".
         fmt: "int8", "int4" or "fp6".
         dtype: the activations, "bf16" or "fp16".
         cfg: the tiling, already fitted to ``group`` (as :func:`candidate_tilings` gives it).
-        arch: the compute capability, e.g. 90 for H100/H200.
         group: the weight's group size.
+        bias: the forward's bias dtype ("bf16", "fp16", "fp32") or None (Llama's linears have none).
+        n, k: the weight's shape (default: Llama-2-70B's o_proj).
+        m: rows of x (dy); never specialised, so it only sizes the grid.
+    """
+    meta = torch.device("meta")
+    act = _TORCH_DTYPES[dtype]
+    cols = {"fp6": 3 * k // 4, "int4": k // 2, "int8": k}[fmt]
+    codes = torch.empty(n, cols, dtype=torch.int8 if fmt == "int8" else torch.uint8, device=meta)
+    scales = torch.empty(n, k // group, dtype=torch.bfloat16, device=meta)
+    zeros = torch.empty(n, k // group, dtype=torch.uint8, device=meta) if fmt == "int4" else None
+    if kind == "fwd":
+        x = torch.empty(m, k, dtype=act, device=meta)
+        b = None if bias is None else torch.empty(n, dtype=_TORCH_DTYPES[bias], device=meta)
+        y = torch.empty(m, n, dtype=act, device=meta)
+        return qlt.forward_launch(x, fmt, codes, scales, zeros, group, b, cfg, y)
+    dy = torch.empty(m, n, dtype=act, device=meta)
+    dx = torch.empty(m, k, dtype=act, device=meta)
+    return qlt.backward_launch(dy, fmt, codes, scales, zeros, group, cfg, dx)
+
+
+def compile_for(
+    kind: str, fmt: str, dtype: str, cfg: qlt.Config, arch: int = 90, group: int = 128, *, bias: str | None = None
+) -> Any:
+    """The forward (``kind="fwd"``) or backward kernel compiled for ``sm_<arch>``, as a launch specialises it.
+
+    The signature, constexprs and divisibility hints are Triton's own reading of :func:`launch_for`'s launch
+    (:meth:`~ds_plugin.kernels.quant_linear_triton.Launch.specialisation`), so this builds what the op launches.
+
+    Args:
+        kind, fmt, dtype, cfg, group, bias: as for :func:`launch_for`.
+        arch: the compute capability, e.g. 90 for H100/H200.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    forward = kind == "fwd"
-    kernel = qlt._jit(qlt._fwd_kernel if forward else qlt._bwd_kernel)
-    io = ("x_ptr", "y_ptr") if forward else ("dy_ptr", "dx_ptr")
-    sig = {io[0]: f"*{dtype}", "w_ptr": "*i8" if fmt == "int8" else "*i32", "s_ptr": "*i16", "z_ptr": "*u8"}
-    sig.update({"b_ptr": "*fp32"} if forward else {})
-    sig.update({io[1]: f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "hi_off": "i32"})
-    strides = ("xm", "wn", "sn", "zn", "ym") if forward else ("dym", "wn", "sn", "zn", "dxm")
-    sig.update({f"stride_{a}": "i32" for a in strides})
-    const = {"FMT": qlt._FMT_ID[fmt], "G": group, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m}
-    const["WIDEN"] = False
-    if forward:
-        const.update(POST_SCALE=cfg.post_scale, HAS_BIAS=True, SPLIT_K=cfg.split_k)
-    sig.update(dict.fromkeys(const, "constexpr"))
-    # What a launch on Llama-sized weights specialises on: 16-byte aligned pointers; strides, N, K and the fp6 plane
-    # offset divisible by 16 (M is never specialised).
-    wide = {"N", "K", "hi_off"}
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(sig)
-        if sig[name][0] == "*" or "stride" in name or name in wide
-    }
-    source = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    launch = launch_for(kind, fmt, dtype, cfg, group, bias=bias)
+    signature, constexprs, attrs, options = launch.specialisation(arch)
+    source = ASTSource(fn=launch.kernel(), signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
 
 
 def ptxas_usage(ptx: str, arch: int = 90) -> dict[str, int]:

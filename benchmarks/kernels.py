@@ -10,11 +10,18 @@ Times are ``triton.testing.do_bench`` medians: L2 flushed before every call, so 
 a model. Weights hold random codes and scales (timing does not depend on the values; the tests check the maths).
 Writes ``kernels-<device>-<date>.json`` (and ``.png`` when matplotlib imports) to ``--out-dir`` ($OUT, else
 ``benchmarks/results``). Without a CUDA GPU it says so and exits 0.
+
+Each row's ``"backend"`` is what served it, read from the op's counters (:func:`~ds_plugin.quant.frozen.linear_op.
+kernel_launches`, :func:`~ds_plugin.quant.frozen.linear_op.backend_calls`): "triton" when the kernel launched and
+the reference never ran, else "reference". It runs strict (``DS_PLUGIN_STRICT_KERNELS=1``: a kernel that fails to
+launch is an error, not a fallback; ``--allow-fallback`` turns that off), and exits 1 naming every fp6 / int4 / int8
+row that the kernels did not serve (:func:`check_kernel_rows`), so reference timings never pass for the kernels'.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -22,7 +29,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +37,8 @@ import torch
 
 from ds_plugin._argparse import MAX_COUNT, ArgumentParser, choice_list, output_dir, shown
 
-__all__ = ["LLAMA2_70B_SHAPES", "M_VALUES", "benchmark", "main", "peak_bandwidth", "write_report"]
+__all__ = ["LLAMA2_70B_SHAPES", "M_VALUES", "benchmark", "check_kernel_rows", "main", "peak_bandwidth"]
+__all__ += ["write_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +115,18 @@ def _gemlite_int4(w_shape: tuple[int, int], device: torch.device, gen: torch.Gen
         return None
 
 
-def _row(kernel: str, n: int, k: int, m: int, kind: str, us: float, bf16_us: float, nbytes: int, peak: float | None):
+def _row(
+    kernel: str,
+    n: int,
+    k: int,
+    m: int,
+    kind: str,
+    us: float,
+    bf16_us: float,
+    nbytes: int,
+    peak: float | None,
+    backend: str,
+) -> dict[str, Any]:
     return {
         "kernel": kernel,
         "N": n,
@@ -118,7 +137,33 @@ def _row(kernel: str, n: int, k: int, m: int, kind: str, us: float, bf16_us: flo
         "bf16_latency_us": bf16_us,
         "speedup_vs_bf16": bf16_us / us,
         "bandwidth_fraction": None if peak is None else nbytes / (us * 1e-6) / peak,
+        "backend": backend,
     }
+
+
+def _timed_op(kind: str, fmt: str, fn: Callable[[], Any]) -> tuple[float, str]:
+    """``(median us, backend)`` of one of our ops: "triton" when its kernel launched during the timing and the
+    reference served none of the calls, else "reference" (the op's counters, read before and after)."""
+    from ds_plugin.quant.frozen.linear_op import backend_calls, kernel_launches
+
+    launches, calls = kernel_launches().get((kind, fmt), 0), backend_calls().get((kind, fmt, "reference"), 0)
+    us = _median_us(fn)
+    launched = kernel_launches().get((kind, fmt), 0) > launches
+    fell_back = backend_calls().get((kind, fmt, "reference"), 0) > calls
+    return us, "triton" if launched and not fell_back else "reference"
+
+
+def check_kernel_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per fp6 / int4 / int8 row that the Triton kernels did not serve (``"backend"`` not "triton").
+
+    Args:
+        rows: the benchmark's rows (:func:`benchmark`).
+    """
+    return [
+        f"{r['kernel']} {r['pass']} N={r['N']} K={r['K']} M={r['M']}: backend {r.get('backend')!r}, not 'triton'"
+        for r in rows
+        if r["kernel"] in FORMATS and r.get("backend") != "triton"
+    ]
 
 
 def benchmark(
@@ -176,13 +221,19 @@ def _shape_rows(
         act_bytes = 2 * (m * k + m * n)
         bf16_us = _median_us(lambda: torch.matmul(x, w.t()))  # noqa: B023 - timed before x changes
         for fmt in formats:
-            us = _median_us(lambda f=fmt: quantized_linear(x, stored[f], f, GROUP_SIZE[f], None))  # noqa: B023
-            rows.append(_row(fmt, n, k, m, "fwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak))
-            logger.info("%s N=%d K=%d M=%d: %.1f us (bf16 %.1f us)", fmt, n, k, m, us, bf16_us)
+            us, backend = _timed_op(
+                "fwd",
+                fmt,
+                lambda f=fmt: quantized_linear(x, stored[f], f, GROUP_SIZE[f], None),  # noqa: B023
+            )
+            rows.append(_row(fmt, n, k, m, "fwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak, backend))
+            logger.info("%s N=%d K=%d M=%d: %.1f us (bf16 %.1f us, %s)", fmt, n, k, m, us, bf16_us, backend)
         if gl is not None:
             try:
                 us = _median_us(lambda: gl(x))  # noqa: B023
-                rows.append(_row("gemlite_int4", n, k, m, "fwd", us, bf16_us, n * k // 2 + 4 * n * k // 64, peak))
+                # GemLite's own Triton kernels, not counted here: check_kernel_rows covers ours only.
+                nbytes = n * k // 2 + 4 * n * k // 64
+                rows.append(_row("gemlite_int4", n, k, m, "fwd", us, bf16_us, nbytes, peak, "triton"))
             except Exception as e:
                 logger.warning("gemlite int4 at M=%d failed: %s", m, e)
     if backward_m in m_values:
@@ -190,8 +241,11 @@ def _shape_rows(
         bf16_us = _median_us(lambda: torch.matmul(dy, w))
         act_bytes = 2 * (backward_m * n + backward_m * k)
         for fmt in formats:
-            us = _median_us(lambda f=fmt: quantized_linear_grad_input(dy, stored[f], f, GROUP_SIZE[f], k))
-            rows.append(_row(fmt, n, k, backward_m, "bwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak))
+            us, backend = _timed_op(
+                "bwd", fmt, lambda f=fmt: quantized_linear_grad_input(dy, stored[f], f, GROUP_SIZE[f], k)
+            )
+            nbytes = weight_bytes[fmt] + act_bytes
+            rows.append(_row(fmt, n, k, backward_m, "bwd", us, bf16_us, nbytes, peak, backend))
     return rows
 
 
@@ -278,12 +332,40 @@ def _shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(shapes)
 
 
+def _cuda_device() -> tuple[torch.device, str] | None:
+    """The current CUDA device and its name; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.cuda.get_device_name(device)
+
+
+@contextlib.contextmanager
+def _strict_kernels(strict: bool) -> Iterator[None]:
+    """``DS_PLUGIN_STRICT_KERNELS`` set to ``strict`` for the block, restored after (main runs in-process too)."""
+    from ds_plugin.quant import STRICT_KERNELS_ENV
+
+    before = os.environ.get(STRICT_KERNELS_ENV)
+    os.environ[STRICT_KERNELS_ENV] = "1" if strict else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(STRICT_KERNELS_ENV, None)
+        else:
+            os.environ[STRICT_KERNELS_ENV] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the JSON (``--json``) or a table, and write the result files.
+
+    Returns 1 when a kernel failed to launch (strict) or any fp6 / int4 / int8 row ran on the reference.
 
     Args:
         argv: command-line arguments (default: ``sys.argv[1:]``).
     """
+    from ds_plugin.quant import KernelLaunchError
+
     # Every value is checked while parsing, so a bad one is an error on a machine without a GPU too, not a skip.
     parser = ArgumentParser(prog="ds-plugin bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -296,10 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-gemlite", action="store_true", help="leave GemLite out even when it imports")
     parser.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="let a kernel that fails to launch fall back to the torch reference (default: strict, an error); "
+        "its rows still say backend 'reference' and fail the run",
+    )
+    parser.add_argument(
         "--out-dir", type=output_dir, default=os.environ.get("OUT") or "benchmarks/results", help="where files go"
     )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    cuda = _cuda_device()
+    if cuda is None:
         print(
             json.dumps({"skipped": SKIP_MESSAGE})
             if args.json
@@ -309,32 +398,47 @@ def main(argv: list[str] | None = None) -> int:
     m_values, shapes, formats = args.m, args.shapes, tuple(args.formats)
     import triton
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    name = torch.cuda.get_device_name(device)
+    device, name = cuda
     date = datetime.date.today().isoformat()
     report: dict[str, Any] = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "date": date}
+    report["strict"] = not args.allow_fallback
 
     def save(rows: list[dict[str, Any]]) -> None:
         write_report({**report, "rows": rows}, Path(args.out_dir))
 
-    rows = benchmark(device, shapes, m_values, formats, gemlite=not args.no_gemlite, on_shape=save)
+    try:
+        with _strict_kernels(not args.allow_fallback):
+            rows = benchmark(device, shapes, m_values, formats, gemlite=not args.no_gemlite, on_shape=save)
+    except KernelLaunchError as e:
+        print(f"ds-plugin bench kernels: {e}", file=sys.stderr)
+        return 1
     report["rows"] = rows
+    problems = check_kernel_rows(rows)
     if args.json:
         print(json.dumps(report, indent=1))
-        return 0
-    print(f"{name}  torch {report['torch']}  triton {report['triton']}")
+    else:
+        _print_table(report, formats)
+    if problems:
+        print(f"ds-plugin bench kernels: {len(problems)} rows did not run the Triton kernels:", file=sys.stderr)
+        print("\n".join(f"  {p}" for p in problems), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_table(report: dict[str, Any], formats: tuple[str, ...]) -> None:
+    rows = report["rows"]
+    print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}")
     for r in rows:
         frac = "" if r["bandwidth_fraction"] is None else f"  {r['bandwidth_fraction']:.0%} of peak"
         print(
             f"{r['kernel']:>12} {r['pass']} N={r['N']:>5} K={r['K']:>5} M={r['M']:>4}: {r['latency_us']:8.1f} us"
-            f"  bf16 {r['bf16_latency_us']:8.1f} us  x{r['speedup_vs_bf16']:.2f}{frac}"
+            f"  bf16 {r['bf16_latency_us']:8.1f} us  x{r['speedup_vs_bf16']:.2f}{frac}  [{r['backend']}]"
         )
     for kernel in (*formats, "gemlite_int4"):
         small = [r["speedup_vs_bf16"] for r in rows if (r["kernel"], r["pass"]) == (kernel, "fwd") and r["M"] <= 16]
         if small:
             geomean = math.exp(sum(map(math.log, small)) / len(small))
             print(f"{kernel}: geomean speedup over bf16 at M <= 16: {geomean:.2f}x")
-    return 0
 
 
 if __name__ == "__main__":

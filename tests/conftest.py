@@ -12,6 +12,9 @@ only these: `python -m pytest -q -m release`. The mark comes from where a test l
 `RELEASE_FILES`, checkpoint file names), so a new file there is covered without a decorator; a test elsewhere that
 leans on such an API says so with `@pytest.mark.release`. A `long` test is never `release`: the second stack does not
 repeat the minutes-long runs.
+
+`gpu` tests run with strict kernels (`DS_PLUGIN_STRICT_KERNELS=1`): a Triton kernel that fails to launch is an
+error there, never a silent fallback to the torch reference that the test would then pass on.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ def _is_release(path: Path) -> bool:
         or rel.as_posix() in RELEASE_FILES
         or any(word in rel.name for word in RELEASE_NAME_WORDS)
     )
+
+
+@pytest.fixture(autouse=True)
+def _strict_kernels_in_the_gpu_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("gpu"):
+        monkeypatch.setenv("DS_PLUGIN_STRICT_KERNELS", "1")  # ds_plugin.quant.STRICT_KERNELS_ENV, not imported here
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here must be seen by it

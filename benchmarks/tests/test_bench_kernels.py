@@ -8,6 +8,7 @@ kernels runs its whole timing loop under Triton's interpreter with a stand-in ti
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -53,7 +54,9 @@ def compiled(monkeypatch):
 
 def test_kernels_compile_for_hopper_without_a_gpu(compiled):
     # The interpreter never runs Triton's compiler, whose rules differ (static branches, types, layouts); this
-    # builds sm_90 cubins on CPU with the ptxas triton ships, so those errors show up without a GPU.
+    # builds sm_90 cubins on CPU with the ptxas triton ships (Triton 3.6 and 3.9 alike), so those errors show up
+    # without a GPU. The builds are of the launches themselves (Launch.specialisation): with a bias, int4 zeros,
+    # split-K's fp32 output.
     pytest.importorskip("triton.backends.nvidia")
     from benchmarks.kernel_resources import compile_for
 
@@ -63,9 +66,43 @@ def test_kernels_compile_for_hopper_without_a_gpu(compiled):
         if "ptxas" in str(e):
             pytest.skip(f"cannot compile for sm_90 here: {e}")
         raise
-    compile_for("fwd", "fp6", "bf16", qlt.forward_configs(1, 128, 8192)[0])
+    compile_for("fwd", "fp6", "bf16", qlt.forward_configs(1, 128, 8192)[0], bias="bf16")
+    split = next(c for c in qlt.forward_configs(1, 64, 8192) if c.split_k > 1)
+    compile_for("fwd", "int4", "bf16", split, group=64)
     compile_for("fwd", "int4", "fp16", qlt.forward_configs(4096, 64, 8192)[2], group=64)
     compile_for("bwd", "fp6", "fp16", qlt.backward_configs(4096)[0])
+
+
+def test_compile_for_builds_the_launch_the_op_issues(compiled, monkeypatch):
+    # kernel-resources' launch (meta tensors) and the op's real launch on the same shapes specialise alike:
+    # same signature, constexprs and divisibility hints, so the sm_90 report is of what the GPU will run.
+    pytest.importorskip("triton.backends.nvidia")
+    from benchmarks.kernel_resources import launch_for
+    from ds_plugin.quant.frozen.codecs import quantize_weight
+
+    launched = []
+    monkeypatch.setattr(qlt.Launch, "run", lambda self: launched.append(self))
+    n, k, m = 256, 512, 16
+    split = next(c for c in qlt.forward_configs(1, 64, k) if c.split_k > 1)
+    cases = [
+        ("fwd", "int4", "bf16", split, 64, None),
+        ("fwd", "int8", "fp16", qlt.Config(16, 64, 128), 128, "fp16"),
+        ("fwd", "fp6", "bf16", qlt.Config(64, 64, 64), 128, "fp32"),
+        ("bwd", "int4", "fp16", qlt.Config(16, 64, 64), 64, None),
+    ]
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for kind, fmt, dtype, cfg, group, bias in cases:
+        parts = quantize_weight(torch.randn(n, k), fmt, group)
+        weight = (parts["codes"], parts["scales"], parts.get("zeros"), group)
+        if kind == "fwd":
+            b = None if bias is None else torch.randn(n).to(dtypes[bias])
+            qlt.linear_forward(torch.randn(m, k).to(dtypes[dtype]), fmt, *weight, b, config=cfg)
+        else:
+            qlt.linear_backward(torch.randn(m, n).to(dtypes[dtype]), fmt, *weight, k, config=cfg)
+        real = launched.pop().specialisation(90)
+        built = launch_for(kind, fmt, dtype, cfg, group, bias=bias, n=n, k=k, m=m).specialisation(90)
+        assert built[:3] == real[:3], (kind, fmt, dtype, bias)
+        assert built[3].__dict__ == real[3].__dict__
 
 
 def test_bench_kernel_resources_reports_each_build(compiled, monkeypatch, tmp_path, capsys):
@@ -126,7 +163,8 @@ def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "_median_us", lambda fn: fn() is None or float(next(ticks)))
     rows = bench.benchmark(torch.device("cpu"), ((32, 128),), (1, 3), gemlite=False, backward_m=3)
     keys = ["kernel", "N", "K", "M", "pass", "latency_us", "bf16_latency_us", "speedup_vs_bf16", "bandwidth_fraction"]
-    assert all(list(r) == keys for r in rows)
+    assert all(list(r) == [*keys, "backend"] for r in rows)
+    assert {r["backend"] for r in rows} == {"triton"} and bench.check_kernel_rows(rows) == []
     assert [(r["kernel"], r["M"], r["pass"]) for r in rows] == [
         *[(f, m, "fwd") for m in (1, 3) for f in ("fp6", "int4", "int8")],
         *[(f, 3, "bwd") for f in ("fp6", "int4", "int8")],
@@ -137,3 +175,96 @@ def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
     path = bench.write_report(report, tmp_path)
     assert path.name == "kernels-nvidia-h100-80gb-hbm3-2026-01-02.json"
     assert list(json.loads(path.read_text())) == ["device", "torch", "triton", "date", "rows"]
+
+
+def test_check_kernel_rows_names_each_row_the_kernels_did_not_serve():
+    from benchmarks.kernels import check_kernel_rows
+
+    def row(kernel, backend, m=1, kind="fwd"):
+        return {"kernel": kernel, "N": 8192, "K": 8192, "M": m, "pass": kind, "backend": backend}
+
+    rows = [row("fp6", "triton"), row("int4", "reference", 16), row("int8", "triton", 4096, "bwd")]
+    rows += [row("gemlite_int4", "reference"), {k: v for k, v in row("int8", "-").items() if k != "backend"}]
+    assert check_kernel_rows(rows) == [
+        "int4 fwd N=8192 K=8192 M=16: backend 'reference', not 'triton'",
+        "int8 fwd N=8192 K=8192 M=1: backend None, not 'triton'",
+    ]
+
+
+class _Broken:
+    # A kernel module whose launches all fail, as a Triton or driver these kernels never met would.
+    @staticmethod
+    def forward_configs(*args):
+        return [None]
+
+    backward_configs = forward_configs
+
+    @staticmethod
+    def linear_forward(*args, **kwargs):
+        raise RuntimeError("no such device feature")
+
+    linear_backward = linear_forward
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    # main() on CPU as on a GPU: the device is the CPU under a GPU's name, do_bench a stand-in timer.
+    from benchmarks import kernels as bench
+    from ds_plugin.quant.frozen import linear_op
+
+    monkeypatch.setattr(bench, "_cuda_device", lambda: (torch.device("cpu"), "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(bench, "_median_us", lambda fn: fn() is None or 1.0)
+    monkeypatch.setattr(linear_op, "_state", linear_op._new_state())
+    monkeypatch.delenv("DS_PLUGIN_STRICT_KERNELS", raising=False)
+    args = ["--shapes", "32x128", "--m", "3", "--no-gemlite", "--json", "--out-dir", str(tmp_path)]
+    return bench, linear_op, args
+
+
+def test_bench_kernels_strict_turns_a_failing_kernel_into_an_error(fake_gpu, monkeypatch, capsys):
+    bench, linear_op, args = fake_gpu
+    monkeypatch.setattr(linear_op, "kernel_backend", lambda t, fmt, *a: _Broken)
+    assert bench.main(args) == 1
+    err = capsys.readouterr().err
+    assert "ds-plugin bench kernels: quantized_linear: the fwd Triton kernel failed for fp6 weights" in err
+    assert "no such device feature" in err
+    assert "DS_PLUGIN_STRICT_KERNELS" not in os.environ  # restored after main
+
+
+def test_bench_kernels_fails_naming_the_rows_the_reference_served(fake_gpu, monkeypatch, capsys):
+    # --allow-fallback: the failing kernels fall back, their rows say so, and the run still fails, naming them.
+    bench, linear_op, args = fake_gpu
+    monkeypatch.setattr(linear_op, "kernel_backend", lambda t, fmt, *a: _Broken)
+    assert bench.main([*args, "--formats", "int4", "--m", "3,4096", "--allow-fallback"]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["strict"] is False
+    assert [(r["kernel"], r["pass"], r["M"], r["backend"]) for r in report["rows"]] == [
+        ("int4", "fwd", 3, "reference"), ("int4", "fwd", 4096, "reference"), ("int4", "bwd", 4096, "reference")
+    ]  # fmt: skip
+    assert "3 rows did not run the Triton kernels" in err
+    assert "int4 bwd N=32 K=128 M=4096: backend 'reference', not 'triton'" in err
+
+
+def test_bench_kernels_passes_when_the_kernels_ran(interpreter, fake_gpu, tmp_path, capsys):
+    bench, _, args = fake_gpu
+    assert bench.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["strict"] is True and len(report["rows"]) == 3
+    assert {r["backend"] for r in report["rows"]} == {"triton"}
+    assert json.loads(next(tmp_path.glob("kernels-*.json")).read_text())["rows"] == report["rows"]
+
+
+def test_gpu_check_names_rows_the_kernels_did_not_serve():
+    from benchmarks.gpu_check import check_rows
+
+    report = {
+        "runs": [
+            {"numel": 1 << 20, "bits": 8, "backend": "triton"},
+            {"numel": 1 << 20, "bits": 4, "backend": "reference"},
+        ],
+        "linear": [{"format": "fp6", "backend": "triton"}, {"format": "int4"}],
+    }
+    assert check_rows(report) == [
+        "quantizer numel=1048576 bits=4: not served by the Triton kernels",
+        "linear int4: not served by the Triton kernels",
+    ]

@@ -29,10 +29,16 @@ M <= 16 runs 16-row tiles over wide N, with optional split-K (fp32 atomics); lar
 grouped order for L2 reuse. :func:`forward_configs` / :func:`backward_configs` list a few tilings per shape class
 (on a GPU :mod:`ds_plugin.quant.frozen.linear_op` times them once per shape); the interpreter runs one small config.
 Kernels and their helpers are jitted on first use per mode, so a test can flip ``TRITON_INTERPRET`` in one process.
+
+Every launch is built by :func:`forward_launch` / :func:`backward_launch` as a :class:`Launch` (the kernel's runtime
+arguments, constexprs and options): :meth:`Launch.run` issues it and counts it (:func:`launch_counts`, after the
+launch returned), and :meth:`Launch.specialisation` gives the signature Triton compiles it to, which is what
+``ds-plugin bench kernel-resources`` builds for sm_90 without a GPU: one description of a launch, not two.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import types
@@ -44,8 +50,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["KERNEL_FORMATS", "Config", "backward_configs", "forward_configs", "interpreter_enabled"]
-__all__ += ["linear_backward", "linear_forward", "supports"]
+__all__ = ["KERNEL_FORMATS", "Config", "Launch", "backward_configs", "backward_launch", "forward_configs"]
+__all__ += ["forward_launch", "interpreter_enabled", "launch_counts", "linear_backward", "linear_forward", "supports"]
 
 KERNEL_FORMATS = ("int8", "int4", "fp6")
 _FMT_ID = {"int8": 0, "int4": 1, "fp6": 2}
@@ -309,10 +315,21 @@ def _jit(fn: Callable[..., None]) -> Any:
     if key not in _jitted:
         namespace = dict(fn.__globals__)
         for helper in _HELPERS:
-            namespace[helper.__name__] = triton.jit(types.FunctionType(helper.__code__, namespace, helper.__name__))
+            namespace[helper.__name__] = triton.jit(_rebound(helper, namespace))
         # M is not specialised: Triton would compile M == 1 apart from every other M, for no gain here.
-        _jitted[key] = triton.jit(types.FunctionType(fn.__code__, namespace, fn.__name__), do_not_specialize=["M"])
+        _jitted[key] = triton.jit(_rebound(fn, namespace), do_not_specialize=["M"])
     return _jitted[key]
+
+
+def _rebound(fn: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` with ``namespace`` as its globals, its annotations kept: ``tl.constexpr`` parameters are known to
+    Triton by their annotation, and ``types.FunctionType`` copies none (a launch would pass BM as an i32 and fail
+    to compile: "arange's arguments must be of type tl.constexpr")."""
+    rebound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    rebound.__annotations__ = dict(fn.__annotations__)
+    rebound.__kwdefaults__ = fn.__kwdefaults__
+    rebound.__module__, rebound.__qualname__ = fn.__module__, fn.__qualname__
+    return rebound
 
 
 # ------------------------------------------------------------------------------------------------------ host side
@@ -408,6 +425,152 @@ def _operands(fmt: str, codes: Tensor, scales: Tensor, zeros: Tensor | None, k: 
     return w, s, z, hi_off
 
 
+_launched: collections.Counter[tuple[str, str]] = collections.Counter()
+
+
+def launch_counts() -> dict[tuple[str, str], int]:
+    """Launches of these kernels that returned, per (pass, format): ``("fwd", "fp6")``, ``("bwd", "int4")``, ...
+
+    Counted in :meth:`Launch.run` after Triton's launch call returned (so a kernel that failed to compile or launch
+    is not counted), interpreted launches (``TRITON_INTERPRET=1``) and the op's autotuning launches included.
+    """
+    return dict(_launched)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Launch:
+    """One launch of a kernel, as the host code issues it.
+
+    Args:
+        kind: "fwd" or "bwd".
+        fmt: the weight format.
+        grid: the launch grid.
+        args: the kernel's runtime arguments, in its parameter order (tensors, then sizes and strides).
+        constexprs: its ``tl.constexpr`` parameters by name.
+        options: Triton's launch options (``num_warps``, ``num_stages``, ``enable_fp_fusion``).
+        out: the tensor the kernel writes (the forward's fp32 buffer under split-K).
+    """
+
+    kind: str
+    fmt: str
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    options: dict[str, Any]
+    out: Tensor
+
+    def kernel(self) -> Any:
+        """The kernel, jitted for the current mode."""
+        return _jit(_fwd_kernel if self.kind == "fwd" else _bwd_kernel)
+
+    def run(self) -> None:
+        """Launch it; counted in :func:`launch_counts` once Triton's launch call returned."""
+        self.kernel()[self.grid](*self.args, **self.constexprs, **self.options)
+        _launched[(self.kind, self.fmt)] += 1
+
+    def specialisation(self, arch: int = 90) -> tuple[dict[str, str], dict[Any, Any], dict[Any, Any], Any]:
+        """``(signature, constexprs, attrs, options)``: what Triton compiles this launch to for ``sm_<arch>``.
+
+        Triton's own binder reads the arguments (types from the tensors' dtypes and the ints' ranges, 16-divisibility
+        of pointers and ints, constexprs by annotation), as at a real launch; no device is needed, so meta tensors
+        stand in for real ones (their pointers read as 16-byte aligned, as torch's allocations are). The binder is
+        Triton's private one (``create_function_from_signature`` and ``JITFunction._pack_args``, which
+        ``JITFunction.run`` calls; the same in Triton 3.6 and 3.9): reading it is what keeps this exact.
+
+        Args:
+            arch: the compute capability, e.g. 90 for H100/H200.
+        """
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        kernel = self.kernel()
+        if not hasattr(kernel, "params"):
+            raise RuntimeError(
+                "Launch.specialisation compiles, which Triton's interpreter never does: unset TRITON_INTERPRET"
+            )
+        backend = make_backend(GPUTarget("cuda", arch, 32))
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        kwargs = {**self.constexprs, **self.options, "debug": kernel.debug or triton.knobs.runtime.debug}
+        for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # as JITFunction.run adds them, where known
+            if hasattr(triton.knobs.compilation, name):
+                kwargs[name] = getattr(triton.knobs.compilation, name)
+        bound, specialization, options = binder(*self.args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+        return signature, constexprs, attrs, options
+
+
+def forward_launch(
+    x2: Tensor,
+    fmt: str,
+    codes: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    group_size: int,
+    bias: Tensor | None,
+    config: Config,
+    y: Tensor,
+) -> Launch:
+    """The forward's launch for ``y = x2 @ dequant(W).T (+ bias)`` with tiling ``config`` (already fitted).
+
+    Args:
+        x2: ``(M, K)`` activations, unit stride along K.
+        fmt, codes, scales, zeros, group_size, bias: as for :func:`linear_forward`.
+        config: the tiling.
+        y: the ``(M, N)`` output in x's dtype; under split-K the kernel writes a zeroed fp32 buffer instead.
+    """
+    m, k = x2.shape
+    n = codes.shape[0]
+    w, s, z, hi_off = _operands(fmt, codes, scales, zeros, k)
+    out = y if config.split_k == 1 else torch.zeros((m, n), dtype=torch.float32, device=x2.device)
+    b = s if bias is None else bias.contiguous()  # an unread placeholder without a bias
+    args = (
+        x2, w, s, z, b, out, m, n, k, hi_off, x2.stride(0), w.stride(0), s.stride(0), z.stride(0), out.stride(0),
+    )  # fmt: skip
+    constexprs = dict(
+        FMT=_FMT_ID[fmt], G=group_size, POST_SCALE=config.post_scale, HAS_BIAS=bias is not None,
+        SPLIT_K=config.split_k, BM=config.bm, BN=config.bn, BK=config.bk, GROUP_M=config.group_m,
+        WIDEN=_widen(x2.dtype),
+    )  # fmt: skip
+    grid = (triton.cdiv(m, config.bm) * triton.cdiv(n, config.bn), config.split_k)
+    return Launch("fwd", fmt, grid, args, constexprs, _options(config), out)
+
+
+def backward_launch(
+    dy: Tensor,
+    fmt: str,
+    codes: Tensor,
+    scales: Tensor,
+    zeros: Tensor | None,
+    group_size: int,
+    config: Config,
+    dx: Tensor,
+) -> Launch:
+    """The backward's launch for ``dx = dy @ dequant(W)`` with tiling ``config``.
+
+    Args:
+        dy: ``(M, N)`` output gradient, unit stride along N.
+        fmt, codes, scales, zeros, group_size: as for :func:`linear_forward`.
+        config: the tiling.
+        dx: the ``(M, K)`` input gradient it writes, in dy's dtype.
+    """
+    m, n = dy.shape
+    k = dx.shape[1]
+    w, s, z, hi_off = _operands(fmt, codes, scales, zeros, k)
+    args = (dy, w, s, z, dx, m, n, k, hi_off, dy.stride(0), w.stride(0), s.stride(0), z.stride(0), dx.stride(0))
+    constexprs = dict(
+        FMT=_FMT_ID[fmt], G=group_size, BM=config.bm, BN=config.bn, BK=config.bk, GROUP_M=config.group_m,
+        WIDEN=_widen(dy.dtype),
+    )  # fmt: skip
+    grid = (triton.cdiv(m, config.bm) * triton.cdiv(k, config.bk),)
+    return Launch("bwd", fmt, grid, args, constexprs, _options(config), dx)
+
+
+def _options(config: Config) -> dict[str, Any]:
+    # FMA contraction asked for explicitly (Triton 3.9 warns when unset); it can only fuse accumulator updates.
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
+
+
 def linear_forward(
     x: Tensor,
     fmt: str,
@@ -436,27 +599,15 @@ def linear_forward(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
-    w, s, z, hi_off = _operands(fmt, codes, scales, zeros, k)
-
-    def run(cfg: Config) -> Tensor:
-        out = y if cfg.split_k == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), cfg.split_k)
-        _jit(_fwd_kernel)[grid](
-            x2, w, s, z, s if bias is None else bias.contiguous(), out, m, n, k, hi_off,
-            x2.stride(0), w.stride(0), s.stride(0), z.stride(0), out.stride(0),
-            FMT=_FMT_ID[fmt], G=group_size, POST_SCALE=cfg.post_scale, HAS_BIAS=bias is not None,
-            SPLIT_K=cfg.split_k, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, WIDEN=_widen(x.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
-        )  # fmt: skip
-        if cfg.split_k > 1:
-            # The atomics summed the splits in fp32; bias and the one rounding to x's dtype come after.
-            y.copy_(out if bias is None else out + bias.float())
-        return y
-
     if config is None:
         config = forward_configs(m, group_size, k)[0]
     config = _fit(config, group_size, k) or dataclasses.replace(config, post_scale=False, split_k=1)
-    return run(config).view(*x.shape[:-1], n)
+    launch = forward_launch(x2, fmt, codes, scales, zeros, group_size, bias, config, y)
+    launch.run()
+    if config.split_k > 1:
+        # The atomics summed the splits in fp32; bias and the one rounding to x's dtype come after.
+        y.copy_(launch.out if bias is None else launch.out + bias.float())
+    return y.view(*x.shape[:-1], n)
 
 
 def linear_backward(
@@ -486,15 +637,5 @@ def linear_backward(
         return dx.view(*grad_out.shape[:-1], k)
     if n == 0:
         return dx.zero_().view(*grad_out.shape[:-1], k)
-    w, s, z, hi_off = _operands(fmt, codes, scales, zeros, k)
-
-    def run(cfg: Config) -> Tensor:
-        grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(k, cfg.bk),)
-        _jit(_bwd_kernel)[grid](
-            dy, w, s, z, dx, m, n, k, hi_off, dy.stride(0), w.stride(0), s.stride(0), z.stride(0), dx.stride(0),
-            FMT=_FMT_ID[fmt], G=group_size, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-            WIDEN=_widen(grad_out.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
-        )  # fmt: skip
-        return dx
-
-    return run(config or backward_configs(m)[0]).view(*grad_out.shape[:-1], k)
+    backward_launch(dy, fmt, codes, scales, zeros, group_size, config or backward_configs(m)[0], dx).run()
+    return dx.view(*grad_out.shape[:-1], k)

@@ -32,6 +32,7 @@ Only the interpreter has run these kernels on this project's CI machines; the GP
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = [
     "dequantize_blockwise_triton",
     "dequantize_rows_into_triton",
     "interpreter_enabled",
+    "launch_counts",
     "quantize_blockwise_triton",
     "quantize_rows_triton",
 ]
@@ -60,6 +62,7 @@ _FP32_MAX = tl.constexpr(FP32_MAX)
 _BF16_NAN_BITS = tl.constexpr(0x7FC0)
 _BF16_ONE_BITS = tl.constexpr(0x3F80)
 _jitted: dict[tuple[str, bool], Any] = {}
+_launched: collections.Counter[tuple[str, int]] = collections.Counter()
 
 
 def interpreter_enabled() -> bool:
@@ -206,6 +209,15 @@ def _dequantize_kernel(
     tl.store(out_ptr + out_base[:, None] + cols[None, :], (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def launch_counts() -> dict[tuple[str, int], int]:
+    """Launches of these kernels that returned, per (kernel, bits): ``("quantize", 8)``, ``("dequantize", 4)``, ...
+
+    Counted after Triton's launch call returned (a kernel that failed to compile or launch is not counted),
+    interpreted launches (``TRITON_INTERPRET=1``) included.
+    """
+    return dict(_launched)
+
+
 def _launch(fn: Callable[..., None], n_blocks: int, block_size: int, *args: Any, **constexprs: Any) -> None:
     """Run ``fn`` over ``n_blocks`` blocks of ``block_size`` elements, several blocks per program."""
     if n_blocks == 0:
@@ -218,6 +230,7 @@ def _launch(fn: Callable[..., None], n_blocks: int, block_size: int, *args: Any,
     _jit(fn)[grid](
         *args, ROWS=rows, WIDTH=width, num_warps=8 if rows * width >= 4096 else 4, enable_fp_fusion=False, **constexprs
     )
+    _launched[(fn.__name__.strip("_").removesuffix("_kernel"), constexprs["BITS"])] += 1
 
 
 def _check(bits: int, block_size: int, dtype: torch.dtype, scale_dtype: torch.dtype) -> None:

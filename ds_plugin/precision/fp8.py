@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ds_plugin.quant import KernelLaunchError, strict_kernels
+
 __all__ = [
     "FP8_FORMATS",
     "RECIPES",
@@ -313,7 +315,7 @@ def scaled_mm(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype = torch.float32
     # for bf16 and upcasts: the precision of a bf16-rounded fp32 accumulator.
     kernel_dtype = torch.bfloat16 if kinds[0] == "row" else out_dtype
     key = (a.data.device.index, kinds, a.data.dtype, b.data.dtype, kernel_dtype)
-    if key in _UNSUPPORTED:
+    if key in _UNSUPPORTED and not strict_kernels():
         return scaled_mm_emulated(a, b, out_dtype)
     sa, sb = _hardware_scales(a, b, kinds)
     mat_a = a.data.contiguous()
@@ -321,6 +323,12 @@ def scaled_mm(a: ScaledFp8, b: ScaledFp8, out_dtype: torch.dtype = torch.float32
     try:
         out = torch._scaled_mm(mat_a, mat_b, scale_a=sa, scale_b=sb, out_dtype=kernel_dtype)
     except RuntimeError as err:
+        if strict_kernels():  # DS_PLUGIN_STRICT_KERNELS=1: a GPU check must not time the emulation as FP8
+            cause = str(err).splitlines()[0] if str(err) else ""
+            raise KernelLaunchError(
+                f"torch._scaled_mm failed for {kinds[0]} x {kinds[1]} scaling: RuntimeError: {cause} "
+                "(DS_PLUGIN_STRICT_KERNELS=1; unset it to fall back to the fp32 emulation)"
+            ) from err
         # Builds differ in which scalings cuBLAS/CUTLASS were compiled with (blockwise needs CUDA 12.9+):
         # remember the failure and keep training on the emulation instead of crashing.
         _UNSUPPORTED.add(key)

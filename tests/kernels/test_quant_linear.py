@@ -20,6 +20,7 @@ import triton
 
 from ds_plugin.kernels import quant_linear_reference as ref
 from ds_plugin.kernels import quant_linear_triton as qlt
+from ds_plugin.quant import KernelLaunchError, strict_kernels
 from ds_plugin.quant.frozen import linear_op
 from ds_plugin.quant.frozen.codecs import dequantize_weight, quantize_weight
 
@@ -156,12 +157,14 @@ def test_interpreted_kernels_read_gathered_views(interpreter, fmt):
     )
 
 
+def _delta(before: dict, after: dict) -> dict:
+    return {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+
+
 def test_the_op_runs_the_kernels_under_the_interpreter_with_autograd(interpreter, monkeypatch):
+    monkeypatch.setattr(linear_op, "_state", linear_op._new_state())
     parts = _parts("fp6", 40, 96, 32)
-    calls = []
-    for name in ("linear_forward", "linear_backward"):
-        real = getattr(qlt, name)
-        monkeypatch.setattr(qlt, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    launches = linear_op.kernel_launches()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 96, generator=g).bfloat16().requires_grad_()
     bias = torch.randn(40, generator=g, requires_grad=True)
@@ -170,7 +173,10 @@ def test_the_op_runs_the_kernels_under_the_interpreter_with_autograd(interpreter
     _check(y.view(6, 40), x.detach().view(6, 96), w, bias.detach())
     dy = torch.randn(2, 3, 40, generator=g).bfloat16()
     y.backward(dy)
-    assert calls == ["linear_forward", "linear_backward"]
+    # Counted after each launch returned, one per op call here (the interpreter does not autotune).
+    assert _delta(launches, linear_op.kernel_launches()) == {("fwd", "fp6"): 1, ("bwd", "fp6"): 1}
+    assert linear_op.backend_calls() == {("fwd", "fp6", "triton"): 1, ("bwd", "fp6", "triton"): 1}
+    assert linear_op.last_backend() == "triton"
     _check(x.grad.view(6, 96), dy.view(6, 40), w.T)
     torch.testing.assert_close(bias.grad, dy.float().sum((0, 1)), rtol=2**-7, atol=2**-5)  # a bf16 sum
 
@@ -187,24 +193,122 @@ def test_dispatch_rules(monkeypatch):
     assert qlt.supports("int8", torch.float16, 36, 12)
 
 
-def test_a_failing_first_launch_falls_back_to_the_reference(monkeypatch, caplog):
-    class Broken:
-        @staticmethod
-        def forward_configs(*args):
-            return [None]
+class _Broken:
+    """A kernel module whose every launch fails, as a Triton or driver these kernels never met would."""
 
-        @staticmethod
-        def linear_forward(*args, **kwargs):
-            raise RuntimeError("no such device feature")
+    @staticmethod
+    def forward_configs(*args):
+        return [None]
 
-    monkeypatch.setattr(linear_op, "kernel_backend", lambda t, fmt, *a: None if fmt == "nf4" else Broken)
+    @staticmethod
+    def backward_configs(*args):
+        return [None]
+
+    @staticmethod
+    def linear_forward(*args, **kwargs):
+        raise RuntimeError("no such device feature")
+
+    linear_backward = linear_forward
+
+
+@pytest.fixture
+def broken_kernels(monkeypatch):
+    monkeypatch.setattr(linear_op, "kernel_backend", lambda t, fmt, *a: None if fmt == "nf4" else _Broken)
     monkeypatch.setattr(linear_op, "interpreter_requested", lambda: False)
-    monkeypatch.setattr(linear_op, "_state", {"verified": set(), "failed": {}, "tuned": {}})
+    monkeypatch.setattr(linear_op, "_state", linear_op._new_state())
+
+
+def test_a_failing_first_launch_falls_back_to_the_reference(broken_kernels, monkeypatch, caplog):
+    monkeypatch.delenv("DS_PLUGIN_STRICT_KERNELS", raising=False)
     parts = _parts("int8", 8, 32, 32)
     x = torch.randn(2, 32)
+    launches = linear_op.kernel_launches()
     y = linear_op.quantized_linear(x, linear_op.parts_list("int8", parts), "int8", 32, None)
     assert torch.equal(y, F.linear(x, dequantize_weight(parts, "int8", 32, torch.float32)))
     assert ("fwd", "int8", torch.float32) in linear_op._state["failed"] and "first use" in caplog.text
+    # What ran is on record: the reference served the call and no kernel launch returned.
+    assert linear_op.backend_calls() == {("fwd", "int8", "reference"): 1}
+    assert linear_op.last_backend() == "reference" and linear_op.kernel_launches() == launches
+
+
+def test_strict_kernels_turn_a_failing_launch_into_an_error(broken_kernels, monkeypatch):
+    monkeypatch.setenv("DS_PLUGIN_STRICT_KERNELS", "1")
+    parts = _parts("int4", 8, 64, 32)
+    tensors = linear_op.parts_list("int4", parts)
+    x = torch.randn(2, 64).bfloat16()
+    pattern = r"^quantized_linear: the fwd Triton kernel failed for int4 weights with bfloat16 activations: "
+    with pytest.raises(KernelLaunchError, match=pattern + r"RuntimeError: no such device feature \(DS_PLUGIN_STRICT"):
+        linear_op.quantized_linear(x, tensors, "int4", 32, None)
+    with pytest.raises(KernelLaunchError, match=r"^quantized_linear_grad_input: the bwd Triton kernel failed for int4"):
+        linear_op.quantized_linear_grad_input(torch.randn(2, 8).half(), tensors, "int4", 32, 64)
+    assert linear_op.backend_calls() == {} and linear_op.last_backend() is None
+    # A combination that failed before strict mode was asked for is tried again, not left on the reference.
+    monkeypatch.delenv("DS_PLUGIN_STRICT_KERNELS")
+    linear_op.quantized_linear(x, tensors, "int4", 32, None)
+    monkeypatch.setenv("DS_PLUGIN_STRICT_KERNELS", "1")
+    with pytest.raises(KernelLaunchError, match="no such device feature"):
+        linear_op.quantized_linear(x, tensors, "int4", 32, None)
+
+
+def test_strict_kernels_fail_the_gpu_tiers_path(broken_kernels, monkeypatch):
+    # The gpu tier's frozen-Linear path (QuantizedWeight's F.linear into the op): an error, not the reference.
+    from ds_plugin import quantize_frozen_
+
+    monkeypatch.setenv("DS_PLUGIN_STRICT_KERNELS", "1")
+    layer = torch.nn.Linear(64, 16, dtype=torch.bfloat16).requires_grad_(False)
+    quantize_frozen_(layer, "fp6", group_size=32, filter_fn=lambda m, name: True)
+    with pytest.raises(KernelLaunchError, match="fp6 weights with bfloat16 activations"):
+        layer(torch.randn(3, 64, dtype=torch.bfloat16))
+
+
+TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+}
+TRITON_TYPES |= {torch.int16: "i16", torch.int32: "i32"}
+
+
+@pytest.mark.gpu
+def test_the_gpu_tier_runs_strict():
+    # tests/conftest.py sets DS_PLUGIN_STRICT_KERNELS=1 for every gpu-marked test (this one runs on CPU too).
+    assert strict_kernels()
+
+
+def test_a_launch_is_specialised_as_its_arguments_are(compiled, monkeypatch):
+    # The signature Triton compiles a launch to is read from the launch's own arguments: each pointer typed by the
+    # tensor actually passed (bias or its placeholder, int4 zeros or the placeholder, the split-K fp32 buffer), every
+    # tl.constexpr parameter a constexpr (a kernel rebuilt without its annotations got BM as an i32 and could not
+    # compile), nothing but M left unspecialised.
+    pytest.importorskip("triton.backends.nvidia")
+    launched = []
+    monkeypatch.setattr(qlt.Launch, "run", lambda self: launched.append(self))
+    n, k = 64, 256
+    cases = [("int4", torch.bfloat16, 1, True), ("int4", torch.float16, 2, False), ("int8", torch.bfloat16, 1, False),
+             ("fp6", torch.float16, 2, True)]  # fmt: skip
+    for fmt, dtype, split_k, with_bias in cases:
+        parts = _parts(fmt, n, k, 64)
+        bias = torch.randn(n).to(dtype) if with_bias else None
+        config = qlt.Config(16, 32, 64, split_k=split_k)
+        qlt.linear_forward(torch.randn(5, k).to(dtype), fmt, *_args(fmt, parts), 64, bias, config=config)
+        qlt.linear_backward(torch.randn(5, n).to(dtype), fmt, *_args(fmt, parts), 64, k, config=qlt.Config(16, 32, 64))
+    assert len(launched) == 2 * len(cases)
+    for launch in launched:
+        signature, constexprs, _, options = launch.specialisation(90)
+        params = list(signature)
+        tensors = {p: a for p, a in zip(params, launch.args, strict=False) if isinstance(a, torch.Tensor)}
+        for p, t in tensors.items():
+            assert signature[p] == "*" + TRITON_TYPES[t.dtype], (p, t.dtype)
+        names = {params[i]: v for (i,), v in constexprs.items()}
+        assert {p for p in params if signature[p] == "constexpr"} == set(launch.constexprs), signature
+        assert all(names[p] == v for p, v in launch.constexprs.items())
+        assert signature["M"] == "i32" and options.num_warps == launch.options["num_warps"]
+        if launch.kind == "fwd":
+            assert names["HAS_BIAS"] == (signature["b_ptr"] != "*i16")
+            assert signature["y_ptr"] == ("*fp32" if names["SPLIT_K"] > 1 else signature["x_ptr"])
+            assert signature["z_ptr"] == ("*u8" if launch.fmt == "int4" else "*i16")
 
 
 @pytest.mark.parametrize(("fmt", "method"), [("fp6", "default"), ("int4", "default"), ("int8", "default"),
@@ -319,18 +423,21 @@ def test_compiled_per_element_weights_equal_the_reference_bit_for_bit(compiled, 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_frozen_linear_on_cuda_goes_through_the_kernels(compiled, fmt, monkeypatch):
+def test_frozen_linear_on_cuda_goes_through_the_kernels(compiled, fmt):
+    # Counted where the compiled kernel's launch returned, not where the wrapper was called: a kernel that fails
+    # raises here (strict, as every gpu test runs), and one that the reference replaced adds no launch.
     from ds_plugin import quantize_frozen_
 
-    calls = []
-    real = qlt.linear_forward
-    monkeypatch.setattr(qlt, "linear_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     layer = torch.nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
     quantize_frozen_(layer, fmt, filter_fn=lambda m, name: True)
     x = torch.randn(4, 9, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    launches, calls = linear_op.kernel_launches(), linear_op.backend_calls()
     y = layer(x)
     y.float().square().sum().backward()
-    assert calls
+    torch.cuda.synchronize()
+    launched = _delta(launches, linear_op.kernel_launches())
+    assert launched.get(("fwd", fmt), 0) >= 1 and launched.get(("bwd", fmt), 0) >= 1, launched
+    assert _delta(calls, linear_op.backend_calls()) == {("fwd", fmt, "triton"): 1, ("bwd", fmt, "triton"): 1}
     w = layer.weight.dequantize(torch.float32)
     _check(y.view(36, 384), x.detach().view(36, 512), w, layer.bias)
     _check(x.grad.view(36, 512), (2 * y.float()).to(y.dtype).view(36, 384), w.T)

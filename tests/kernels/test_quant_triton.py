@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from ds_plugin.kernels import quant_triton
+from ds_plugin.quant import KernelLaunchError
 from ds_plugin.quant.comm import dispatch, fused
 from ds_plugin.quant.comm.format import dequantize_reference, quantize_reference
 
@@ -336,6 +337,33 @@ def test_row_dispatch_rules(monkeypatch):
         dispatch.dequantize_rows_into(torch.empty(2, 64), torch.zeros(128, dtype=torch.int8), x, 16, backend="triton")
 
 
+def test_row_kernel_launches_are_counted_and_strict_mode_raises(monkeypatch, caplog):
+    x = torch.randn(2, 64)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "_triton_rows", {"verified": set(), "failed": None})
+    before = dispatch.kernel_launches()
+    dispatch.quantize_rows(x, 16, 4)
+    assert dispatch.kernel_launches()[("quantize", 4)] == before.get(("quantize", 4), 0) + 1
+
+    def broken(*args):
+        raise RuntimeError("no such device feature")
+
+    monkeypatch.setattr(quant_triton, "dequantize_rows_into_triton", broken)
+    codes, scales = fused.quantize_rows(x, 16, 8, compiled=False)
+    args = (torch.empty(2, 64), codes.contiguous().view(-1), scales, 16)
+    monkeypatch.setenv("DS_PLUGIN_STRICT_KERNELS", "1")
+    with pytest.raises(KernelLaunchError, match=r"^dequantize_rows_into: the Triton kernel failed for float32 rows "):
+        dispatch.dequantize_rows_into(*args)
+    # Without strict mode the first failure falls back to torch with a warning, as before.
+    monkeypatch.delenv("DS_PLUGIN_STRICT_KERNELS")
+    dispatch.dequantize_rows_into(*args)
+    assert "first use" in caplog.text and dispatch._triton_rows["failed"].startswith("RuntimeError")
+    # A fallback recorded before strict mode was asked for does not hide the kernel from it.
+    monkeypatch.setenv("DS_PLUGIN_STRICT_KERNELS", "1")
+    with pytest.raises(KernelLaunchError, match="no such device feature"):
+        dispatch.dequantize_rows_into(*args)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_interpreted_flat_bf16_scales_match_reference(interpreter, bits):
     # The flat kernels take bf16 scales too.
@@ -349,17 +377,21 @@ def test_interpreted_flat_bf16_scales_match_reference(interpreter, bits):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_compiled_row_kernels_match_cpu_torch(compiled, bits, dtype):
+    # backend="triton": the compiled kernels or an error, never the torch form; and their launches must have returned.
     for n, numel, block in [*ROW_SHAPES, (8, 65536 + 3, 4096)]:
         if bits == 4 and block % 2:
             continue
         x = _row_input(n, numel, block, dtype)
-        codes, scales = dispatch.quantize_rows(x.cuda(), block, bits)
+        before = dispatch.kernel_launches()
+        codes, scales = dispatch.quantize_rows(x.cuda(), block, bits, backend="triton")
+        assert dispatch.kernel_launches().get(("quantize", bits), 0) == before.get(("quantize", bits), 0) + 1
         want_codes, want_scales = fused.quantize_rows(x, block, bits, compiled=False)
         assert_same_bits(codes, want_codes.contiguous())
         assert_same_bits(scales, want_scales)
         if bits == 8:
             out = torch.empty(n, numel, dtype=dtype, device="cuda")
-            dispatch.dequantize_rows_into(out, codes.view(-1), scales, block)
+            dispatch.dequantize_rows_into(out, codes.view(-1), scales, block, backend="triton")
+            assert dispatch.kernel_launches().get(("dequantize", 8), 0) == before.get(("dequantize", 8), 0) + 1
             want = torch.empty(n, numel, dtype=dtype)
             fused.dequantize_rows_into(want, want_codes.contiguous().view(-1), want_scales, block, compiled=False)
             assert_same_bits(out, want)

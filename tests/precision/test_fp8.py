@@ -194,6 +194,7 @@ def test_hardware_path_layouts_run_on_cpu_scaled_mm(monkeypatch, recipe) -> None
 
 
 def test_hardware_failure_falls_back_to_emulation_once(monkeypatch, caplog) -> None:
+    monkeypatch.delenv("DS_PLUGIN_STRICT_KERNELS", raising=False)  # strict mode raises instead (below)
     monkeypatch.setattr(fp8_mod, "_hardware_ok", lambda a, b, kinds: True)
     monkeypatch.setattr(fp8_mod, "_UNSUPPORTED", set())
     calls = []
@@ -210,6 +211,24 @@ def test_hardware_failure_falls_back_to_emulation_once(monkeypatch, caplog) -> N
         second = scaled_mm(a, b)
     assert len(calls) == 1 and "emulation" in caplog.text
     assert torch.equal(first, scaled_mm_emulated(a, b)) and torch.equal(first, second)
+
+
+def test_strict_kernels_make_a_hardware_failure_an_error(monkeypatch) -> None:
+    # DS_PLUGIN_STRICT_KERNELS=1 (the GPU checks): no silent emulation to be timed as FP8.
+    from ds_plugin.quant import KernelLaunchError
+
+    monkeypatch.setenv("DS_PLUGIN_STRICT_KERNELS", "1")
+    monkeypatch.setattr(fp8_mod, "_hardware_ok", lambda a, b, kinds: True)
+    monkeypatch.setattr(fp8_mod, "_UNSUPPORTED", set())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(torch, "_scaled_mm", broken)
+    a = quantize_activation(torch.randn(128, 256), "blockwise")
+    b = quantize_weight(torch.randn(128, 256), "blockwise").t()
+    with pytest.raises(KernelLaunchError, match=r"^torch._scaled_mm failed for .*Invalid scaling configuration"):
+        scaled_mm(a, b)
 
 
 def test_blockwise_hardware_scale_layouts() -> None:

@@ -13,6 +13,10 @@ ZeRO++ collectives (:mod:`ds_plugin.zero.zeropp`) call. Their ``compiled`` argum
 forms: ``True`` asks for the compiled torch form (and so for torch), ``False`` / ``None`` leave the choice of
 backend to the rule, so the collectives' CPU-only compile decision sends CUDA buckets to Triton.
 
+A row kernel whose first launch fails falls back to torch with one warning, unless ``DS_PLUGIN_STRICT_KERNELS=1``
+(:func:`ds_plugin.quant.strict_kernels`): then it raises :class:`~ds_plugin.quant.KernelLaunchError`.
+:func:`kernel_launches` counts the row kernels' launches that returned, so a check can tell what ran.
+
 :func:`dequantize_sum_rows` (qgZ's decode-and-sum) has no Triton kernel: it runs in torch on every device. Its
 result does not depend on which backend produced the codes, since both produce the same bytes.
 """
@@ -22,13 +26,14 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
 
 from torch import Tensor
 
-from ds_plugin.quant import interpreter_requested
+from ds_plugin.quant import KernelLaunchError, interpreter_requested, strict_kernels
 from ds_plugin.quant.comm import fused
 
 # qgZ's decode-and-sum has no Triton kernel: the torch form runs on every device (see the module docstring).
@@ -39,6 +44,7 @@ __all__ = [
     "compile_report",
     "dequantize_rows_into",
     "dequantize_sum_rows",
+    "kernel_launches",
     "quantize_rows",
     "triton_kernels",
     "use_compiled",
@@ -78,9 +84,19 @@ def triton_kernels(t: Tensor, backend: Backend = "auto") -> ModuleType | None:
     return kernels
 
 
+def kernel_launches() -> dict[tuple[str, int], int]:
+    """Launches of the Triton row kernels that returned, per (kernel, bits), e.g. ``{("quantize", 8): 12}``.
+
+    Counted after each launch returned, never for a call that fell back to torch; empty until triton is loaded.
+    """
+    kernels = sys.modules.get("ds_plugin.kernels.quant_triton")
+    return {} if kernels is None else kernels.launch_counts()
+
+
 # A row kernel's first launch for a given specialisation (kernel, dtype, bits) is its first compile. Should one
 # fail (a Triton or driver version these kernels were never run on), training goes on in torch with one warning
-# instead of dying inside a collective; once a specialisation has run, its errors propagate as usual.
+# instead of dying inside a collective; once a specialisation has run, its errors propagate as usual. Strict mode
+# (DS_PLUGIN_STRICT_KERNELS=1, the GPU checks) raises instead, so a broken kernel cannot pass for a working one.
 _triton_rows: dict[str, Any] = {"verified": set(), "failed": None}
 
 
@@ -89,7 +105,7 @@ def _row_kernels(t: Tensor, compiled: bool | None, backend: Backend) -> ModuleTy
         if backend == "triton":
             raise ValueError("compiled=True asks for the compiled torch form; it cannot run with backend='triton'")
         return None
-    if backend == "auto" and _triton_rows["failed"] is not None:
+    if backend == "auto" and _triton_rows["failed"] is not None and not strict_kernels():
         return None
     return triton_kernels(t, backend)
 
@@ -99,10 +115,18 @@ def _launch_rows(backend: Backend, key: tuple, kernel: Callable[..., Any], *args
     try:
         result = kernel(*args)
     except Exception as e:
+        cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if strict_kernels():
+            kind, dtype, bits = key
+            op = "quantize_rows" if kind == "quantize" else "dequantize_rows_into"
+            raise KernelLaunchError(
+                f"{op}: the Triton kernel failed for {str(dtype).removeprefix('torch.')} rows at {bits} bits: {cause} "
+                "(DS_PLUGIN_STRICT_KERNELS=1; unset it to fall back to the torch form)"
+            ) from e
         if backend == "triton" or key in _triton_rows["verified"]:
             raise
-        _triton_rows["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        logger.warning("Triton quantizer failed on first use (%s); using the torch form", _triton_rows["failed"])
+        _triton_rows["failed"] = cause
+        logger.warning("Triton quantizer failed on first use (%s); using the torch form", cause)
         return False, None
     _triton_rows["verified"].add(key)
     return True, result

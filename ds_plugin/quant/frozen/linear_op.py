@@ -20,13 +20,21 @@ reference is the arithmetic the frozen-weight Linear always used, so CPU results
 On a GPU the kernels' tiling for each (pass, format, dtype, N, K, group, class of M) is timed once per process over
 the kernel module's few candidates (``DS_PLUGIN_KERNEL_AUTOTUNE=0``: its first guess). Should a kernel's first
 launch for a (pass, format, dtype) fail (a Triton or driver these kernels never met), that combination falls back
-to the reference with one warning; once one has run, its errors propagate.
+to the reference with one warning; once one has run, its errors propagate. With ``DS_PLUGIN_STRICT_KERNELS=1``
+(:func:`ds_plugin.quant.strict_kernels`: the GPU tests and benchmarks) every failed launch raises
+:class:`~ds_plugin.quant.KernelLaunchError` instead, naming the pass, format, dtype and cause.
+
+What ran is public: :func:`kernel_launches` counts the kernels' launches that returned per (pass, format),
+:func:`backend_calls` the op calls each backend served, and :func:`last_backend` names the one that served the
+latest call, so a benchmark or a test can tell the kernels from the reference instead of assuming.
 """
 
+import collections
 import functools
 import importlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -35,10 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ds_plugin.quant import interpreter_requested
+from ds_plugin.quant import KernelLaunchError, interpreter_requested, strict_kernels
 from ds_plugin.quant.frozen.codecs import dequantize_weight
 
-__all__ = ["kernel_backend", "parts_list", "quantized_linear", "quantized_linear_grad_input"]
+__all__ = ["backend_calls", "kernel_backend", "kernel_launches", "last_backend", "parts_list", "quantized_linear"]
+__all__ += ["quantized_linear_grad_input"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +59,45 @@ _NAMES = {
     "nf4": ("codes", "absmax_codes", "absmax_scale", "absmax_offset"),
 }
 _NF4_PLAIN = ("codes", "absmax")
-_state: dict[str, Any] = {"verified": set(), "failed": {}, "tuned": {}}
+_KERNEL_MODULE = "ds_plugin.kernels.quant_linear_triton"
+
+
+def _new_state() -> dict[str, Any]:
+    # calls: op calls per (pass, format, backend); last: the backend of the latest call.
+    return {"verified": set(), "failed": {}, "tuned": {}, "calls": collections.Counter(), "last": None}
+
+
+_state = _new_state()
+
+
+def kernel_launches() -> dict[tuple[str, str], int]:
+    """The Triton kernels' launches so far that returned, per (pass, format): ``{("fwd", "int4"): 3, ...}``.
+
+    Counted by the kernel module after each launch call returned (a launch that failed, or a call the reference
+    served, adds nothing); autotuning's timed launches count too, and under ``TRITON_INTERPRET=1`` interpreted ones.
+    Empty until the kernels were first used. Compare two readings to see whether a piece of code ran the kernels.
+    """
+    kernels = sys.modules.get(_KERNEL_MODULE)
+    return {} if kernels is None else kernels.launch_counts()
+
+
+def backend_calls() -> dict[tuple[str, str, str], int]:
+    """Calls of the two ops so far per (pass, format, backend), backend "triton" or "reference".
+
+    "triton": the kernel module returned the result; "reference": ``dequantize_weight`` + torch did (CPU, NF4, fp32
+    activations, shapes the kernels refuse, or a failed first launch outside strict mode).
+    """
+    return dict(_state["calls"])
+
+
+def last_backend() -> str | None:
+    """The backend that served the latest call of either op, "triton" or "reference"; None before any call."""
+    return _state["last"]
+
+
+def _served(kind: str, fmt: str, backend: str) -> None:
+    _state["calls"][(kind, fmt, backend)] += 1
+    _state["last"] = backend
 
 
 def parts_list(fmt: str, parts: dict[str, Tensor]) -> list[Tensor]:
@@ -94,7 +141,7 @@ def kernel_backend(t: Tensor, fmt: str, in_features: int, group_size: int, kind:
     kernels = _kernel_module()
     if kernels is None or not kernels.supports(fmt, t.dtype, in_features, group_size):
         return None
-    return None if (kind, fmt, t.dtype) in _state["failed"] else kernels
+    return None if (kind, fmt, t.dtype) in _state["failed"] and not strict_kernels() else kernels
 
 
 def _m_class(rows: int) -> int:
@@ -135,17 +182,29 @@ def _tuned(key: tuple, candidates: list[Any], run: Callable[[Any], Any]) -> Any:
 
 
 def _launch(key: tuple, run: Callable[[], Tensor]) -> Tensor | None:
-    """``run()``; None when it is the first launch of its (pass, format, dtype) and failed: the caller falls back."""
+    """``run()``; None when it is the first launch of its (pass, format, dtype) and failed: the caller falls back.
+
+    Strict (``DS_PLUGIN_STRICT_KERNELS=1``): any failure raises :class:`KernelLaunchError` in one line instead.
+    """
     verify = key[:3]
     try:
         out = run()
     except Exception as e:
+        kind, fmt, dtype = verify
+        cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if strict_kernels():
+            op = "quantized_linear" if kind == "fwd" else "quantized_linear_grad_input"
+            raise KernelLaunchError(
+                f"{op}: the {kind} Triton kernel failed for {fmt} weights with {str(dtype).removeprefix('torch.')} "
+                f"activations: {cause} (DS_PLUGIN_STRICT_KERNELS=1; unset it to fall back to the torch reference)"
+            ) from e
         if verify in _state["verified"] or interpreter_requested():
             raise
-        _state["failed"][verify] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        logger.warning("quantized_linear kernel failed on first use (%s); using the torch reference", e)
+        _state["failed"][verify] = cause
+        logger.warning("quantized_linear kernel failed on first use (%s); using the torch reference", cause)
         return None
     _state["verified"].add(verify)
+    _served(kind=verify[0], fmt=verify[1], backend="triton")
     return out
 
 
@@ -186,6 +245,7 @@ def quantized_linear(x: Tensor, parts: list[Tensor], fmt: str, group_size: int, 
             return y
     if not x.is_floating_point():
         raise TypeError(f"quantized_linear takes floating activations, got {x.dtype}")
+    _served("fwd", fmt, "reference")
     w = _dequantized(fmt, parts, group_size, x.dtype)
     return F.linear(x, w, bias.to(w.dtype) if bias is not None and bias.dtype != w.dtype else bias)
 
@@ -220,6 +280,7 @@ def quantized_linear_grad_input(
         dx = _launch(key, lambda: run(_tuned(key, kernels.backward_configs(m), run)))
         if dx is not None:
             return dx
+    _served("bwd", fmt, "reference")
     w = _dequantized(fmt, parts, group_size, grad_out.dtype)
     if w.device.type == "cpu" and w.dtype != torch.float32:
         # The CPU's bf16/fp16 GEMM takes a slow path for dy @ W with W row-major: 30x slower, measured
