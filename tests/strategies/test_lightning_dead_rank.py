@@ -1,5 +1,5 @@
 """A Lightning run on 4 ranks whose rank 2 freezes (SIGSTOP) or is killed (SIGKILL) mid-step ends by itself, every
-other rank with the same one-line `RankFailureError`: the frozen job after its 15 s collective timeout, the killed one
+other rank with its one-line `RankFailureError`: the frozen job after its 15 s collective timeout, the killed one
 at once (its timeout is the default 10 minutes). Both jobs run side by side, 8 plain processes in one launch
 (scripts/dead_rank4.py says why not Lightning's launcher), so the killed job costs little beside the frozen one's wait.
 
