@@ -7,10 +7,12 @@ error, only silence) costs minutes, not half an hour. `init_distributed` (DeepSp
 Fabric strategies use it; a process group created elsewhere keeps its own.
 
 What the survivors see. A peer that is killed closes its sockets: gloo's next read on that pair fails at once
-("Connection reset by peer"); a peer that hangs is noticed when the timeout expires ("Timed out waiting ...");
-NCCL reports either as a `DistBackendError`. From the engine's forward, backward, step and checkpoint calls that
-surfaces as `RankFailureError`: the step, what was running, the original first line, and how to resume, instead of
-a traceback from inside FSDP2's hooks. The process then exits as on any error; nothing waits on the dead rank.
+("Connection reset by peer"); a peer that hangs is noticed when the timeout expires ("Timed out waiting ...").
+A rank may instead see the broken socket of a survivor that gave up first. From the engine's forward,
+backward, step and checkpoint calls that surfaces as `RankFailureError`: the step, what was running, the original
+first line, and how to resume, instead of a traceback from inside FSDP2's hooks. The process then exits as on any
+error; nothing waits on the dead rank. (Tested on gloo. NCCL may notice neither before the timeout, when torch's
+watchdog, at `TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default, takes the process down itself: no Python error to translate.)
 """
 
 from __future__ import annotations
