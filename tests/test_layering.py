@@ -25,7 +25,8 @@ LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 FRAMEWORKS = (*LIGHTNING, "accelerate")
 ADAPTERS = ("ds_plugin.strategies", "ds_plugin.accelerate")
 ADAPTER_FOLDERS = ("ds_plugin/strategies/", "ds_plugin/accelerate/")
-FORMAT = "ds_plugin.quant.comm.format"  # the blockwise INT8/INT4 format: the bottom of quant/ and all kernels/ may import
+# the blockwise INT8/INT4 format: the bottom of quant/ and all kernels/ may import it
+FORMAT = "ds_plugin.quant.comm.format"
 STDLIB = "<stdlib>"  # in `allow`: any module of Python's standard library
 EVERYTHING = ""  # in `forbid`: any import at all
 

@@ -28,9 +28,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from ds_plugin.peft_adapters import full_state_dict
 from ds_plugin.checkpoint import load_engine_checkpoint, remove_checkpoint, save_engine_checkpoint
 from ds_plugin.config import AUTO
+from ds_plugin.peft_adapters import full_state_dict
 from ds_plugin.presets import ConfigSource
 from ds_plugin.strategies._state import ZeroStrategyState, zero_precision_property
 from ds_plugin.strategies.lightning_precision import ZeroPrecision
