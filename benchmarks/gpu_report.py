@@ -90,7 +90,7 @@ def skeleton(mode: str) -> dict[str, Any]:
             "kernel_autotune": None, "formats": {f: dict.fromkeys(LORA_FIELDS) | {"reason": todo} for f in LORA_FORMATS},
             "checks": [], "reason": todo,
         },  # fmt: skip
-        "streaming_load": dict.fromkeys(STREAM_FIELDS) | {"reason": todo},
+        "streaming_load": dict.fromkeys(STREAM_FIELDS) | {"raw": None, "reason": todo},
         "targets": {name: {"what": what, "target": t, "measured": None, "met": None, "reason": todo}
                     for name, what, t in TARGETS},  # fmt: skip
         "png": {"file": None, "reason": "drawn at the end of the run"},
@@ -137,6 +137,9 @@ def _env(report: dict[str, Any], work: Path) -> None:
     env = _json(work / "env.stdout")
     if env:
         report["device"].update({k: env.get(k) for k in report["device"]})
+        missing = [k for k, v in report["device"].items() if v is None and k != "reason"]
+        if missing and not report["device"]["reason"]:
+            report["device"]["reason"] = f"not reported: {', '.join(missing)}"
     else:
         report["device"]["reason"] = _step_reason(report, "env") or "env.json missing"
 
@@ -209,16 +212,32 @@ def _lora(report: dict[str, Any], work: Path) -> None:
             entry["reason"] = _step_reason(report, "train") or f"{fmt} not in this run"
             continue
         entry.update({k: run.get(k) for k in LORA_FIELDS if k != "reason"})
-        missing = [k for k in LORA_FIELDS if k != "reason" and entry[k] is None]
-        reasons = []
-        if "peak_gpu_mb" in missing:
-            reasons.append("peak GPU memory: CPU run")
-        if run.get("kernel_reason"):
-            reasons.append(f"kernels: {run['kernel_reason']}")
-        if "loss_rel_diff_vs_bf16" in missing:
-            reasons.append("loss distance: the bf16 run is the reference" if fmt == "bf16" else "no bf16 run")
-        entry["reason"] = "; ".join(reasons) or None
+        entry["reason"] = _lora_reason(fmt, entry, run)
     section["reason"] = None if len(data["formats"]) == len(LORA_FORMATS) else _step_reason(report, "train")
+
+
+def _lora_reason(fmt: str, entry: dict[str, Any], run: dict[str, Any]) -> str | None:
+    """Why a format's null figures are null, one clause per kind."""
+    missing = {k for k in LORA_FIELDS if k != "reason" and entry[k] is None}
+    reasons = []
+    if missing & {"peak_gpu_mb", "setup_peak_gpu_mb"}:
+        reasons.append("GPU memory: CPU run")
+        missing -= {"peak_gpu_mb", "setup_peak_gpu_mb"}
+    if missing & {"kernel_path", "kernel_evidence", "kernel_launches"}:
+        why = run.get("kernel_reason") or (
+            "no launch counter in this checkout" if entry["kernel_path"] else "no kernel path recorded"
+        )
+        reasons.append(f"kernels: {why}")
+        missing -= {"kernel_path", "kernel_evidence", "kernel_launches"}
+    elif run.get("kernel_reason"):
+        reasons.append(f"kernels: {run['kernel_reason']}")
+    loss_fields = {"loss_rel_diff_vs_bf16", "loss_tolerance", "loss_within_tolerance"}
+    if missing & loss_fields:
+        reasons.append("loss distance: the bf16 run is the reference" if fmt == "bf16" else "loss distance: no bf16 run")
+        missing -= loss_fields
+    if missing:
+        reasons.append(f"not recorded: {', '.join(sorted(missing))}")
+    return "; ".join(reasons) or None
 
 
 def _streaming(report: dict[str, Any], work: Path) -> None:
@@ -226,12 +245,16 @@ def _streaming(report: dict[str, Any], work: Path) -> None:
     if not isinstance(data, dict):
         section["reason"] = _step_reason(report, "big_model") or "no JSON"
         return
-    section.update({k: data.get(k) for k in STREAM_FIELDS}, raw=data, reason=None)
+    section.update({k: data.get(k) for k in STREAM_FIELDS}, raw=data)
+    missing = [k for k in STREAM_FIELDS if section[k] is None]
+    section["reason"] = f"not printed by benchmarks/big_model.py: {', '.join(missing)}" if missing else None
 
 
 # ----------------------------------------------------------------------------------------------------- verdicts
 def _slowest(rows: list[dict[str, Any]] | None, kernel: str, pick) -> float | None:
-    picked = [r["speedup_vs_bf16"] for r in rows or () if r["kernel"] == kernel and r["pass"] == "fwd" and pick(r)]
+    picked = [
+        r["speedup_vs_bf16"] for r in rows or () if r.get("kernel") == kernel and r.get("pass") == "fwd" and pick(r)
+    ]
     return min(picked) if picked else None
 
 
@@ -326,14 +349,17 @@ def plot(report: dict[str, Any], path: Path) -> str | None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     (kern, tps), (loss, fp8) = axes
     rows = report["kernels"]["rows"] or []
-    for fmt in sorted({r["kernel"] for r in rows}):
-        ms = sorted({r["M"] for r in rows if r["kernel"] == fmt and r["pass"] == "fwd"})
+    for fmt in sorted({r.get("kernel") for r in rows} - {None}):
+        ms = sorted({r["M"] for r in rows if r.get("kernel") == fmt and r.get("pass") == "fwd"})
         kern.plot(ms, [_slowest(rows, fmt, lambda r, m=m: r["M"] == m) for m in ms], marker="o", label=fmt)
+    kern.axhline(1.0, color="grey", lw=0.8)
     kern.set(xscale="log", title="GEMM vs bf16, slowest 70B shape (fwd)", xlabel="M", ylabel="speedup")
     _empty(kern, not rows, report["kernels"]["reason"])
     formats = report["lora"]["formats"]
     measured = [f for f in LORA_FORMATS if formats[f]["tokens_per_s"]]
     tps.bar(measured, [formats[f]["tokens_per_s"] for f in measured])
+    if formats["bf16"]["tokens_per_s"]:
+        tps.axhline(0.8 * formats["bf16"]["tokens_per_s"], color="grey", lw=0.8)  # the 0.8x-of-bf16 target
     for i, f in enumerate(measured):
         mem = formats[f]["peak_gpu_mb"]
         tps.annotate("" if mem is None else f"{mem / 1024:.1f} GiB", (i, formats[f]["tokens_per_s"]), ha="center")
