@@ -103,6 +103,7 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND (no shell, no pipe) under it
 step env 20 "$py" -m benchmarks.gpu_report env --mode "$mode"
 step gpu_tests 100 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m pytest -q -p no:cacheprovider -m gpu \
   --junitxml="$work/gpu_tests.xml" tests
+mkdir -p "$work/kernels"
 step bench_kernels 100 "$py" -m ds_plugin.cli bench kernels --out-dir "$work/kernels"
 if [ "$mode" = gpu ]; then
   step quantizer 25 "$py" -m benchmarks.gpu_check

@@ -39,13 +39,33 @@ STEPS = ("env", "gpu_tests", "bench_kernels", "quantizer", "fp8", "train", "big_
 LORA_FORMATS = ("bf16", "int8", "int4", "nf4", "fp6")
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
 LORA_FIELDS = (
-    "tokens_per_s", "step_s", "peak_gpu_mb", "setup_peak_gpu_mb", "losses", "final_loss", "loss_rel_diff_vs_bf16",
-    "loss_tolerance", "loss_within_tolerance", "kernel_path", "kernel_evidence", "kernel_launches", "reason",
-)  # fmt: skip
+    "tokens_per_s",
+    "step_s",
+    "peak_gpu_mb",
+    "setup_peak_gpu_mb",
+    "losses",
+    "final_loss",
+    "loss_rel_diff_vs_bf16",
+    "loss_tolerance",
+    "loss_within_tolerance",
+    "kernel_path",
+    "kernel_evidence",
+    "kernel_launches",
+    "error",
+    "reason",
+)
 STREAM_FIELDS = (
-    "params", "world_size", "format", "checkpoint_bytes", "load_s", "quantize_s", "first_step_s", "step_s",
-    "peak_rss_mb_per_rank", "peak_gpu_mb",
-)  # fmt: skip
+    "params",
+    "world_size",
+    "format",
+    "checkpoint_bytes",
+    "load_s",
+    "quantize_s",
+    "first_step_s",
+    "step_s",
+    "peak_rss_mb_per_rank",
+    "peak_gpu_mb",
+)
 # (name, what, target, how it is measured): issue 14/19's Acceptance.
 TARGETS = (
     ("fp6_gemm_m_le_16", "FP6 GEMM vs bf16 at M <= 16 on Llama-2-70B shapes (slowest row)", 2.2),
@@ -72,27 +92,51 @@ def skeleton(mode: str) -> dict[str, Any]:
         "failed_steps": [],
         "failures": [],
         "date": datetime.date.today().isoformat(),
-        "device": {"name": None, "capability": None, "driver": None, "torch": None, "triton": None, "cuda": None,
-                   "reason": todo},  # fmt: skip
-        "settings": {"strict_kernels": os.environ.get("DS_PLUGIN_STRICT_KERNELS"), "kernel_autotune": None,
-                     "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")},  # fmt: skip
-        "steps": {s: {"status": "not run", "rc": None, "seconds": None, "limit_s": None, "reason": todo} for s in STEPS},
+        "device": {
+            "name": None,
+            "capability": None,
+            "driver": None,
+            "torch": None,
+            "triton": None,
+            "cuda": None,
+            "reason": todo,
+        },
+        "settings": {
+            "strict_kernels": os.environ.get("DS_PLUGIN_STRICT_KERNELS"),
+            "kernel_autotune": None,
+            "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+        },
+        "steps": {
+            s: {"status": "not run", "rc": None, "seconds": None, "limit_s": None, "reason": todo} for s in STEPS
+        },
         "gpu_tests": {"tests": None, "passed": None, "failed": None, "errors": None, "skipped": None, "reason": todo},
         "kernels": {"rows": None, "row_count": None, "non_triton_rows": None, "reason": todo},
         "quantizer": {"result": None, "reason": todo},
         "fp8": {
-            "hidden": None, "layers": None, "steps": None, "batch_tokens": None, "bf16_step_s": None,
+            "hidden": None,
+            "layers": None,
+            "steps": None,
+            "batch_tokens": None,
+            "bf16_step_s": None,
             "recipes": {r: {"step_s": None, "speedup_vs_bf16": None, "loss_rel_diff": None} for r in FP8_RECIPES},
             "reason": todo,
-        },  # fmt: skip
+        },
         "lora": {
-            "model": None, "backend": None, "tokens_per_step": None, "steps": None, "warmup_steps": None,
-            "kernel_autotune": None, "formats": {f: dict.fromkeys(LORA_FIELDS) | {"reason": todo} for f in LORA_FORMATS},
-            "checks": [], "reason": todo,
-        },  # fmt: skip
+            "model": None,
+            "backend": None,
+            "tokens_per_step": None,
+            "steps": None,
+            "warmup_steps": None,
+            "kernel_autotune": None,
+            "formats": {f: dict.fromkeys(LORA_FIELDS) | {"reason": todo} for f in LORA_FORMATS},
+            "checks": [],
+            "reason": todo,
+        },
         "streaming_load": dict.fromkeys(STREAM_FIELDS) | {"raw": None, "reason": todo},
-        "targets": {name: {"what": what, "target": t, "measured": None, "met": None, "reason": todo}
-                    for name, what, t in TARGETS},  # fmt: skip
+        "targets": {
+            name: {"what": what, "target": t, "measured": None, "met": None, "reason": todo}
+            for name, what, t in TARGETS
+        },
         "png": {"file": None, "reason": "drawn at the end of the run"},
     }
 
@@ -218,7 +262,9 @@ def _lora(report: dict[str, Any], work: Path) -> None:
 
 def _lora_reason(fmt: str, entry: dict[str, Any], run: dict[str, Any]) -> str | None:
     """Why a format's null figures are null, one clause per kind."""
-    missing = {k for k in LORA_FIELDS if k != "reason" and entry[k] is None}
+    if entry["error"]:
+        return f"the run failed: {entry['error']}"
+    missing = {k for k in LORA_FIELDS if k not in ("reason", "error") and entry[k] is None}
     reasons = []
     if missing & {"peak_gpu_mb", "setup_peak_gpu_mb"}:
         reasons.append("GPU memory: CPU run")
@@ -233,7 +279,9 @@ def _lora_reason(fmt: str, entry: dict[str, Any], run: dict[str, Any]) -> str | 
         reasons.append(f"kernels: {run['kernel_reason']}")
     loss_fields = {"loss_rel_diff_vs_bf16", "loss_tolerance", "loss_within_tolerance"}
     if missing & loss_fields:
-        reasons.append("loss distance: the bf16 run is the reference" if fmt == "bf16" else "loss distance: no bf16 run")
+        reasons.append(
+            "loss distance: the bf16 run is the reference" if fmt == "bf16" else "loss distance: no bf16 run"
+        )
         missing -= loss_fields
     if missing:
         reasons.append(f"not recorded: {', '.join(sorted(missing))}")
@@ -298,7 +346,10 @@ def _failures(report: dict[str, Any]) -> None:
             failures.append(("gpu_tests", "gpu_tests: no test of the gpu tier passed"))
         if report["kernels"]["non_triton_rows"]:
             failures.append(
-                ("bench_kernels", f"bench_kernels: {report['kernels']['non_triton_rows']} rows not on the triton backend")
+                (
+                    "bench_kernels",
+                    f"bench_kernels: {report['kernels']['non_triton_rows']} rows not on the triton backend",
+                )
             )
     for check in report["lora"]["checks"] or ():
         if not check["ok"]:
@@ -439,8 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         info = environment(args.mode)
         print(json.dumps(info))
         if args.mode == "gpu" and info["name"] is None:
-            print("gpu_check: no CUDA GPU is visible; on a CPU machine run `bash benchmarks/gpu_check.sh --dry-run`",
-                  file=sys.stderr)
+            print(
+                "gpu_check: no CUDA GPU is visible; on a CPU machine run `bash benchmarks/gpu_check.sh --dry-run`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     report = merge(args.work, args.out, args.mode)

@@ -138,11 +138,19 @@ def test_unknown_argument_is_one_line() -> None:
 # ------------------------------------------------------------------------- the report's verdicts on a GPU run
 def _lora_run(tokens: float, loss: float, path: str | None, within: bool | None) -> dict[str, Any]:
     return {
-        "tokens_per_s": tokens, "step_s": 4096 / tokens, "peak_gpu_mb": 9000.0, "setup_peak_gpu_mb": 3000.0,
-        "losses": [loss + 1, loss], "final_loss": loss, "loss_rel_diff_vs_bf16": None if within is None else 0.01,
-        "loss_tolerance": None if within is None else 0.08, "loss_within_tolerance": within, "kernel_path": path,
-        "kernel_evidence": None if path is None else "linear_op.kernel_launches()", "kernel_launches": None,
-    }  # fmt: skip
+        "tokens_per_s": tokens,
+        "step_s": 4096 / tokens,
+        "peak_gpu_mb": 9000.0,
+        "setup_peak_gpu_mb": 3000.0,
+        "losses": [loss + 1, loss],
+        "final_loss": loss,
+        "loss_rel_diff_vs_bf16": None if within is None else 0.01,
+        "loss_tolerance": None if within is None else 0.08,
+        "loss_within_tolerance": within,
+        "kernel_path": path,
+        "kernel_evidence": None if path is None else "linear_op.kernel_launches()",
+        "kernel_launches": None,
+    }
 
 
 def _gpu_work(tmp_path: Path, backend: str = "triton", passed: int = 8, check_ok: bool = True) -> Path:
@@ -150,10 +158,18 @@ def _gpu_work(tmp_path: Path, backend: str = "triton", passed: int = 8, check_ok
     work = tmp_path / "work"
     (work / "kernels").mkdir(parents=True)
     (work / "steps.tsv").write_text("".join(f"{s}\t0\t5\t100\t\n" for s in gpu_report.STEPS))
-    env = {"name": "NVIDIA H200", "capability": "sm_90", "driver": "570", "torch": "2.11", "triton": "3.6", "cuda": "12"}
+    env = {
+        "name": "NVIDIA H200",
+        "capability": "sm_90",
+        "driver": "570",
+        "torch": "2.11",
+        "triton": "3.6",
+        "cuda": "12",
+    }
     (work / "env.stdout").write_text(json.dumps({**env, "reason": None}))
-    (work / "gpu_tests.xml").write_text(f'<testsuites><testsuite tests="{passed + 1}" failures="0" errors="0" '
-                                        'skipped="1"/></testsuites>')  # fmt: skip
+    (work / "gpu_tests.xml").write_text(
+        f'<testsuites><testsuite tests="{passed + 1}" failures="0" errors="0" skipped="1"/></testsuites>'
+    )
     rows = [
         {"kernel": k, "N": 8192, "K": 8192, "M": m, "pass": "fwd", "speedup_vs_bf16": s, "backend": backend}
         for k, m, s in (("fp6", 1, 2.5), ("fp6", 16, 2.0), ("int4", 1, 3.5), ("int8", 1, 1.8))
@@ -163,13 +179,25 @@ def _gpu_work(tmp_path: Path, backend: str = "triton", passed: int = 8, check_ok
     config = {"hidden": 4096, "layers": 4, "steps": 20, "batch_tokens": 8192}
     (work / "fp8.stdout").write_text(json.dumps({"config": config, "results": {"bf16": {"step_s": 0.14}, **fp8}}))
     formats = {
-        f: _lora_run(10000.0 if f == "bf16" else 9000.0, 7.0, "triton" if f in gpu_train.KERNEL_FORMATS else None,
-                     None if f == "bf16" else True)
+        f: _lora_run(
+            10000.0 if f == "bf16" else 9000.0,
+            7.0,
+            "triton" if f in gpu_train.KERNEL_FORMATS else None,
+            None if f == "bf16" else True,
+        )
         for f in gpu_report.LORA_FORMATS
-    }  # fmt: skip
+    }
     checks = [{"check": "int4: final loss within 8% of bf16's after 8 steps", "ok": check_ok, "detail": "x"}]
-    train = {"formats": formats, "checks": checks, "backend": "nccl", "model": {"params": 1.1e9}, "steps": 8,
-             "tokens_per_step": 4096, "warmup_steps": 2, "kernel_autotune": False}  # fmt: skip
+    train = {
+        "formats": formats,
+        "checks": checks,
+        "backend": "nccl",
+        "model": {"params": 1.1e9},
+        "steps": 8,
+        "tokens_per_step": 4096,
+        "warmup_steps": 2,
+        "kernel_autotune": False,
+    }
     (work / "train.json").write_text(json.dumps(train))
     (work / "quantizer.stdout").write_text(json.dumps({"runs": []}))
     (work / "big_model.stdout").write_text(json.dumps({"params": 7e9, "load_s": 30.0, "format": "int4"}))
@@ -228,9 +256,16 @@ def test_report_names_what_its_torch_free_copies_mirror() -> None:
 def _train_report(**int4: Any) -> dict[str, Any]:
     runs = {
         "bf16": {"losses": [8.0, 7.0], "final_loss": 7.0, "adapter_update_norm": 0.5, "kernel_path": None},
-        "int4": {"losses": [8.1, 7.1], "final_loss": 7.1, "adapter_update_norm": 0.5, "kernel_path": "triton",
-                 "kernel_reason": None, "kernel_launches": {"fwd/int4": 3, "bwd/int4": 3}} | int4,
-    }  # fmt: skip
+        "int4": {
+            "losses": [8.1, 7.1],
+            "final_loss": 7.1,
+            "adapter_update_norm": 0.5,
+            "kernel_path": "triton",
+            "kernel_reason": None,
+            "kernel_launches": {"fwd/int4": 3, "bwd/int4": 3},
+        }
+        | int4,
+    }
     return {"device_type": "cuda", "formats": runs}
 
 
@@ -244,14 +279,20 @@ def test_train_checks_pass_a_good_run_and_fail_each_fault() -> None:
         "int4: final loss within 8% of bf16's after 2 steps"
     ]
     assert _failed(_train_report(adapter_update_norm=0.0)) == ["int4: the optimizer steps train the adapter"]
-    assert _failed(_train_report(kernel_path="reference", kernel_reason="no kernel launch recorded in both passes")) == [
-        "int4: the Triton kernels ran forward and backward"
-    ]
+    assert _failed(
+        _train_report(kernel_path="reference", kernel_reason="no kernel launch recorded in both passes")
+    ) == ["int4: the Triton kernels ran forward and backward"]
     assert _failed(_train_report(losses=[8.1, float("nan")], final_loss=float("nan"))) == [
         "int4: losses finite",
         "int4: the optimizer steps train the adapter",
         "int4: final loss within 8% of bf16's after 2 steps",
     ]
+
+
+def test_train_checks_fail_a_crashed_run_and_a_missing_reference() -> None:
+    report = _train_report()
+    report["formats"]["bf16"] = {"error": "OutOfMemoryError: CUDA out of memory"}
+    assert _failed(report) == ["bf16: the run finished", "int4: final loss within 8% of bf16's"]
 
 
 @pytest.mark.parametrize(
