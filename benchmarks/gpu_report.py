@@ -371,6 +371,7 @@ def merge(work: Path, out: Path, mode: str) -> dict[str, Any]:
     report["settings"]["kernel_autotune"] = {
         "gpu_tests": "off (first-guess tiling)",
         "bench_kernels": "on",
+        "quantizer": "off (first-guess tiling)",
         "train": "off (first-guess tiling)",
     }
     _steps(report, work)
