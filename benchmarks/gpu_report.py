@@ -45,6 +45,7 @@ LORA_FIELDS = (
     "setup_peak_gpu_mb",
     "losses",
     "final_loss",
+    "first_loss_rel_diff_vs_bf16",
     "loss_rel_diff_vs_bf16",
     "loss_tolerance",
     "loss_within_tolerance",
@@ -277,7 +278,7 @@ def _lora_reason(fmt: str, entry: dict[str, Any], run: dict[str, Any]) -> str | 
         missing -= {"kernel_path", "kernel_evidence", "kernel_launches"}
     elif run.get("kernel_reason"):
         reasons.append(f"kernels: {run['kernel_reason']}")
-    loss_fields = {"loss_rel_diff_vs_bf16", "loss_tolerance", "loss_within_tolerance"}
+    loss_fields = {"first_loss_rel_diff_vs_bf16", "loss_rel_diff_vs_bf16", "loss_tolerance", "loss_within_tolerance"}
     if missing & loss_fields:
         reasons.append(
             "loss distance: the bf16 run is the reference" if fmt == "bf16" else "loss distance: no bf16 run"

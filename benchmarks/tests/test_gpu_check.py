@@ -145,6 +145,7 @@ def _lora_run(tokens: float, loss: float, path: str | None, within: bool | None)
         "losses": [loss + 1, loss],
         "final_loss": loss,
         "loss_rel_diff_vs_bf16": None if within is None else 0.01,
+        "first_loss_rel_diff_vs_bf16": None if within is None else 0.005,
         "loss_tolerance": None if within is None else 0.08,
         "loss_within_tolerance": within,
         "kernel_path": path,
@@ -275,8 +276,11 @@ def _failed(report: dict[str, Any]) -> list[str]:
 
 def test_train_checks_pass_a_good_run_and_fail_each_fault() -> None:
     assert _failed(_train_report()) == []
-    assert _failed(_train_report(final_loss=7.0 * 1.2, losses=[9.0, 7.0 * 1.2])) == [
+    assert _failed(_train_report(final_loss=7.9, losses=[8.1, 7.9])) == [
         "int4: final loss within 8% of bf16's after 2 steps"
+    ]
+    assert _failed(_train_report(losses=[9.0, 7.1])) == [
+        "int4: first-step loss (the untrained base) within 8% of bf16's"
     ]
     assert _failed(_train_report(adapter_update_norm=0.0)) == ["int4: the optimizer steps train the adapter"]
     assert _failed(
