@@ -352,6 +352,18 @@ def _failures(report: dict[str, Any]) -> None:
                     f"bench_kernels: {report['kernels']['non_triton_rows']} rows not on the triton backend",
                 )
             )
+    # A step that exited 0 but left nothing the report could read has measured nothing: on a GPU that is a failure.
+    unread = {
+        "bench_kernels": report["kernels"]["rows"],
+        "quantizer": report["quantizer"]["result"],
+        "fp8": report["fp8"]["bf16_step_s"],
+        "train": report["lora"]["model"],
+        "big_model": report["streaming_load"]["raw"],
+    }
+    for name, value in unread.items():
+        expected = report["mode"] == "gpu" or name == "train"
+        if expected and value is None and report["steps"][name]["status"] == "passed":
+            failures.append((name, f"{name}: exited 0 but left no output the report could read (see steps.log)"))
     for check in report["lora"]["checks"] or ():
         if not check["ok"]:
             failures.append(("train", f"train: {check['check']}: {check['detail']}"))

@@ -240,6 +240,15 @@ def test_report_counts_a_row_without_backend_as_not_triton(tmp_path: Path) -> No
     assert gpu_report.merge(work, tmp_path, "gpu")["kernels"]["non_triton_rows"] == 1
 
 
+@pytest.mark.parametrize("name", ["fp8.stdout", "train.json", "big_model.stdout", "quantizer.stdout"])
+def test_report_fails_a_step_that_passed_without_output(tmp_path: Path, name: str) -> None:
+    work = _gpu_work(tmp_path)
+    (work / name).write_text("Traceback: not JSON")
+    step = name.split(".")[0]
+    report = gpu_report.merge(work, tmp_path, "gpu")
+    assert report["failed_steps"] == [step] and "left no output" in report["failures"][0]
+
+
 def test_report_fails_a_gpu_run_without_a_gpu(tmp_path: Path) -> None:
     work = _gpu_work(tmp_path)
     (work / "env.stdout").write_text(json.dumps({"name": None, "reason": "no CUDA GPU visible"}))
