@@ -6,15 +6,15 @@
 #     OUT=/some/dir bash benchmarks/gpu_check.sh --dry-run  # the same script on a CPU: every step's CPU path
 #
 # Steps, in order, each its own process under its own time limit (seconds, on the GPU):
-#   env 20            device name, capability, driver, torch/triton/CUDA versions; fails on a GPU run without CUDA
-#   gpu_tests 85      the `gpu` test tier (pytest -m gpu tests)
+#   env 30            device name, capability, driver, torch/triton/CUDA versions; fails on a GPU run without CUDA
+#   gpu_tests 80      the `gpu` test tier (pytest -m gpu tests)
 #   bench_kernels 140 `ds-plugin bench kernels`: fp6/int4/int8 GEMMs vs bf16 on Llama-2-70B shapes
 #   quantizer 25      benchmarks/gpu_check.py: the ZeRO++ quantizer's Triton form vs torch, kernel error
 #   fp8 35            `ds-plugin bench fp8 --json --hidden 4096 --steps 20`: FP8 training steps vs bf16
 #   train 110         benchmarks/gpu_train.py: the engine (ZeRO-3 on FSDP2, NCCL, world size 1) training LoRA on a
 #                     1.1B Llama with its frozen base stored bf16, int8, int4, nf4 and fp6
 #   big_model 50      benchmarks/big_model.py (issue 15/19): streaming load of a 7B-shaped checkpoint, INT4 base
-# The limits add up to 465 s, so the whole run stays under 8 minutes even when every step runs to its limit
+# The limits add up to 470 s, so the whole run stays under 8 minutes even when every step runs to its limit
 # (`timeout -k 10`). The limits are estimates made without a GPU: a step past its limit fails the run; rerun it
 # alone with GPU_CHECK_STEPS=<step> GPU_CHECK_LIMIT_<step>=SECONDS. A dry run triples them (a 2-core CPU machine).
 #
@@ -104,8 +104,8 @@ main() {  # the whole script in one function: bash parses it before running, so 
     merge
   }
 
-  step env 20 "$py" -m benchmarks.gpu_report env --mode "$mode"
-  step gpu_tests 85 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m pytest -q -p no:cacheprovider -m gpu \
+  step env 30 "$py" -m benchmarks.gpu_report env --mode "$mode"
+  step gpu_tests 80 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m pytest -q -p no:cacheprovider -m gpu \
     --junitxml="$work/gpu_tests.xml" tests
   mkdir -p "$work/kernels"
   step bench_kernels 140 "$py" -m ds_plugin.cli bench kernels --out-dir "$work/kernels"
