@@ -35,7 +35,6 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,54 +78,33 @@ LORA_RANK = 16
 LR = 2e-3
 
 
-def kernel_launches() -> dict[str, int] | None:
-    """Launches of the compiled quantized-linear kernels so far, by key, or None where linear_op keeps no counter.
-
-    Adapter for `ds_plugin.quant.frozen.linear_op.kernel_launches()` (issue 14/19's kernels branch): a mapping of
-    counts (keys such as ("fwd", "int4", torch.bfloat16) become "fwd/int4/torch.bfloat16") or one total ("all").
-    """
+def kernel_counters() -> tuple[dict, dict]:
+    """The quantized-linear kernels' launches per (pass, format) and the op calls per (pass, format, backend)."""
     from ds_plugin.quant.frozen import linear_op
 
-    counter = getattr(linear_op, "kernel_launches", None)
-    if counter is None:
-        return None
-    counts = counter()
-    if not isinstance(counts, Mapping):
-        return {"all": int(counts)}
-    out: dict[str, int] = {}
-    for key, n in counts.items():
-        name = "/".join(map(str, key)) if isinstance(key, tuple) else str(key)
-        out[name] = out.get(name, 0) + int(n)
-    return out
+    return linear_op.kernel_launches(), linear_op.backend_calls()
 
 
-def _kernel_path(fmt: str, before: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
-    """Which path this format's linears took: "triton" only with evidence of kernel launches in both passes."""
-    from ds_plugin.quant.frozen import linear_op
-
+def _kernel_path(fmt: str, before: tuple[dict, dict], device: torch.device) -> dict[str, Any]:
+    """Which path this format's linears took: "triton" only when the compiled kernels launched in both passes and
+    the torch reference served none of this format's calls (linear_op's counters, read before and after the run)."""
     if fmt not in KERNEL_FORMATS:
         why = "bf16 base: plain F.linear" if fmt == "bf16" else "nf4 has no kernel: the torch reference by design"
         return {"kernel_path": None, "kernel_evidence": None, "kernel_launches": None, "kernel_reason": why}
-    after = kernel_launches()
-    state = getattr(linear_op, "_state", {})
-    failed = {"/".join(map(str, k)): v for k, v in state.get("failed", {}).items() if k[1] == fmt}
-    if after is not None:
-        delta = {k: n - (before or {}).get(k, 0) for k, n in after.items() if n - (before or {}).get(k, 0)}
-        passes = {p for k in delta for p in ("fwd", "bwd") if p in k.split("/")}
-        # A counter without pass names: launches during this run are this format's (one format runs at a time).
-        ran = bool(delta) and (passes == {"fwd", "bwd"} or not any("/" in k for k in delta))
-        evidence = "linear_op.kernel_launches()"
-    else:
-        verified = state.get("verified", set())
-        delta = None
-        ran = all((p, fmt, torch.bfloat16) in verified for p in ("fwd", "bwd"))
-        evidence = "linear_op._state['verified'] (first launches; no launch counter in this checkout)"
-    path = "triton" if ran and not failed else "reference"
+    (launched0, served0), (launched1, served1) = before, kernel_counters()
+    delta = {f"{p}/{fmt}": launched1.get((p, fmt), 0) - launched0.get((p, fmt), 0) for p in ("fwd", "bwd")}
+    by_reference = sum(
+        served1.get((p, fmt, "reference"), 0) - served0.get((p, fmt, "reference"), 0) for p in ("fwd", "bwd")
+    )
+    path = "triton" if all(delta.values()) and not by_reference else "reference"
     why = None
-    if failed:
-        why = f"kernel failed on first launch: {failed}"
-    elif path != "triton":
-        why = "CPU: the Triton kernels run on CUDA only" if device.type != "cuda" else "no launch in both passes"
+    if path != "triton":
+        why = (
+            "CPU: the Triton kernels run on CUDA only"
+            if device.type != "cuda"
+            else f"kernel launches {delta}, {by_reference} calls served by the torch reference"
+        )
+    evidence = "linear_op.kernel_launches() and backend_calls()"
     return {"kernel_path": path, "kernel_evidence": evidence, "kernel_launches": delta, "kernel_reason": why}
 
 
@@ -223,7 +201,7 @@ def train_format(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     norm_before = _adapter_norm(engine)
-    launches_before = kernel_launches()
+    launches_before = kernel_counters()
     losses: list[torch.Tensor] = []
     start = time.perf_counter()
     for step in range(steps):

@@ -309,28 +309,26 @@ def test_train_checks_fail_a_crashed_run_and_a_missing_reference() -> None:
 
 
 @pytest.mark.parametrize(
-    ("before", "after", "path"),
+    ("launched", "served", "path"),
     [
-        ({}, {("fwd", "int4", torch.bfloat16): 2, ("bwd", "int4", torch.bfloat16): 2}, "triton"),
-        ({}, {("fwd", "int4", torch.bfloat16): 2}, "reference"),  # the backward fell back: not the kernel path
-        ({"all": 5}, 9, "triton"),  # a plain total: this run's launches are this format's
-        ({"all": 5}, 5, "reference"),
+        (
+            {("fwd", "int4"): 2, ("bwd", "int4"): 2},
+            {("fwd", "int4", "triton"): 2, ("bwd", "int4", "triton"): 2},
+            "triton",
+        ),
+        # the backward fell back: not the kernel path
+        ({("fwd", "int4"): 2}, {("fwd", "int4", "triton"): 2, ("bwd", "int4", "reference"): 2}, "reference"),
+        # launches in both passes, but one call served by the reference (a shape the kernels refused)
+        ({("fwd", "int4"): 2, ("bwd", "int4"): 2}, {("fwd", "int4", "reference"): 1}, "reference"),
+        # another format's launches are not this one's
+        ({("fwd", "int8"): 2, ("bwd", "int8"): 2}, {}, "reference"),
     ],
 )
-def test_kernel_path_needs_launches_in_both_passes(monkeypatch, before, after, path) -> None:
+def test_kernel_path_needs_launches_in_both_passes_and_no_reference_call(monkeypatch, launched, served, path) -> None:
     from ds_plugin.quant.frozen import linear_op
 
-    monkeypatch.setattr(linear_op, "kernel_launches", lambda: after, raising=False)
-    assert gpu_train._kernel_path("int4", before, torch.device("cuda"))["kernel_path"] == path
-
-
-def test_kernel_path_without_a_counter_reads_the_first_launch_record(monkeypatch) -> None:
-    from ds_plugin.quant.frozen import linear_op
-
-    monkeypatch.delattr(linear_op, "kernel_launches", raising=False)
-    state = {"verified": {("fwd", "fp6", torch.bfloat16), ("bwd", "fp6", torch.bfloat16)}, "failed": {}}
-    monkeypatch.setattr(linear_op, "_state", state)
-    assert gpu_train._kernel_path("fp6", None, torch.device("cuda"))["kernel_path"] == "triton"
-    state["failed"][("bwd", "fp6", torch.bfloat16)] = "RuntimeError: ptxas"
-    record = gpu_train._kernel_path("fp6", None, torch.device("cuda"))
-    assert record["kernel_path"] == "reference" and "ptxas" in record["kernel_reason"]
+    monkeypatch.setattr(linear_op, "kernel_launches", lambda: launched)
+    monkeypatch.setattr(linear_op, "backend_calls", lambda: served)
+    record = gpu_train._kernel_path("int4", ({}, {}), torch.device("cuda"))
+    assert record["kernel_path"] == path, record
+    assert (record["kernel_reason"] is None) == (path == "triton")
