@@ -87,15 +87,15 @@ _INT4_TOP = 15
 # Clipping-ratio pairs (low end, high end) tried for each group's range, sorted by the low end. Chosen greedily from
 # 117 pairs (1.0 .. 0.82 for both ends, and one end down to 0.4 with the other at 1.0 or 0.95) on Gaussian,
 # Student-t(3) and Llama-like (outlier input columns) weights at g = 64, to minimise the error after the
-# least-squares steps; these 18 end at a lower error than the full 9 x 9 grid over 1.0 .. 0.6 they replaced, on
-# each of the three and on other seeds, for a fifth of the work. Mostly both ends near whole, plus one end clipped
-# hard (a group around one outlier keeps the outlier's end and clips the other, or clips the outlier).
+# least-squares steps. These 20 end at a lower error than the full 9 x 9 grid over 1.0 .. 0.6 they replaced (mean
+# over 8 other seeds: -0.08%, -0.04%, -0.07% relative error) for a quarter of the work: mostly both ends near
+# whole, plus one end clipped hard (a group around one outlier).
 _CLIP_PAIRS = tuple(
     sorted(
         (
             (0.96, 0.96), (0.9, 1.0), (1.0, 0.92), (0.95, 0.65), (0.7, 1.0), (0.94, 1.0), (1.0, 0.96), (0.5, 1.0),
             (1.0, 0.88), (0.92, 0.96), (1.0, 0.5), (0.94, 0.9), (0.82, 1.0), (0.96, 1.0), (1.0, 0.8), (1.0, 1.0),
-            (0.92, 1.0), (0.92, 0.92),
+            (0.92, 1.0), (0.92, 0.92), (0.88, 1.0), (0.96, 0.94),
         ),
         reverse=True,
     )
@@ -111,12 +111,14 @@ def _clip_runs(pairs: tuple[tuple[float, float], ...]) -> tuple[tuple[int, int, 
 _CLIP_RUNS = _clip_runs(_CLIP_PAIRS)
 assert len(_CLIP_PAIRS) <= 32  # the search keeps a candidate's index in 5 bits
 # After the search: least-squares refits of (scale, offset), then of the scale alone once the zero point is on its
-# 8-bit grid. With these 18 pairs, 4 + 1 measured as good as 3 + 2 and one pass cheaper per element.
+# 8-bit grid. With these pairs 4 + 1 measured as good as 3 + 2, and one pass cheaper per element.
 _LSQ_STEPS = 4
 _SCALE_REFITS = 1
 # Elements per pass. On a CPU a pass's fp32 temporaries should stay in the core's L2 cache (1-2 MB): 64K elements
-# (256 KB each), and 16K for the INT4 search, whose temporaries hold every candidate (22 x 64 KB). An accelerator
-# wants large passes instead (each op is a kernel launch); those sizes still bound its temporaries to ~1.5 GB.
+# (256 KB each); 256K for the INT4 search, whose per-group steps (a few dozen small ops per chunk) want more groups
+# per op, with three 1 MB buffers reused across its candidates. Packing codes (integer ops on 8-byte words) runs on
+# 256K codes at a time. An accelerator wants large passes instead (each op is a kernel launch); those sizes bound
+# its temporaries to ~2 GB.
 _CHUNK_ELEMENTS = {"cpu": 1 << 16, "search_cpu": 1 << 18, "device": 1 << 26, "search_device": 1 << 26}
 _PACK_ELEMENTS = {"cpu": 1 << 18, "device": 1 << 26}
 
@@ -331,8 +333,9 @@ def _quantize_int8(blocks: Tensor, amax: Tensor) -> dict[str, Tensor]:
     scales = amax / torch.full_like(amax, float(QMAX[8]))
     scales = round_up_to_bf16(torch.where(scales == 0, 1.0, scales).clamp(max=scale_cap(8, torch.bfloat16)))
     codes = torch.div(blocks, scales).round_().clamp_(-QMAX[8], QMAX[8]).to(torch.int8)
-    n_rows = blocks.shape[0]
-    return {"codes": codes.view(torch.uint8).view(n_rows, -1), "scales": scales.view(n_rows, -1).to(torch.bfloat16)}
+    n_rows, n_groups, group = blocks.shape
+    codes = codes.view(torch.uint8).view(n_rows, n_groups * group)
+    return {"codes": codes, "scales": scales.view(n_rows, n_groups).to(torch.bfloat16)}
 
 
 def _int4_absmax(blocks: Tensor, amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -440,7 +443,8 @@ def _quantize_fp6(blocks: Tensor, amax: Tensor) -> dict[str, Tensor]:
     # fp6.encode_e3m2 without its clamp (nothing exceeds 28 here): e5m2 bytes of x / scale * 2^-12.
     e5m2 = torch.div(blocks, scales).mul_(2.0**-12).to(torch.float8_e5m2).view(torch.uint8)
     codes = fp6.e5m2_to_e3m2(e5m2)
-    return {"codes": codes.view(n_rows, -1), "scales": scales.view(n_rows, -1).to(torch.bfloat16)}
+    n_groups, group = blocks.shape[1:]
+    return {"codes": codes.view(n_rows, n_groups * group), "scales": scales.view(n_rows, n_groups).to(torch.bfloat16)}
 
 
 def _to_bf16(x: Tensor) -> Tensor:
@@ -454,7 +458,7 @@ def _quantize_nf4(blocks: Tensor, amax: Tensor, double_quant: bool) -> dict[str,
         # bitsandbytes' arithmetic exactly: multiply by the reciprocal (not divide), then the level below or at
         # each value (a value equal to a midpoint goes to the lower code, as bucketize's right=False does).
         scaled = torch.mul(blocks, (1.0 / absmax.clamp(min=1e-38))[..., None])
-        return {"codes": _nf4_codes(scaled).view(n_rows, -1), "absmax": absmax}
+        return {"codes": _nf4_codes(scaled).view(n_rows, n_groups * blocks.shape[2]), "absmax": absmax}
     # Rows' group absmaxes as int8 around the row's mean (a per-row analogue of bitsandbytes' nested quantization,
     # so the row contract holds). The codes are then chosen against the absmax the dequantizer will rebuild, which
     # makes each element the nearest level of the grid it is actually stored on.
@@ -473,7 +477,7 @@ def _quantize_nf4(blocks: Tensor, amax: Tensor, double_quant: bool) -> dict[str,
     # within half an absmax step of 0 anyway): a zero reciprocal scales it to 0, whose level is the zero code.
     recip = torch.where(stored > 0, 1.0 / stored.clamp(min=1e-38), 0.0)
     scaled = torch.mul(blocks, recip[..., None])
-    return {"codes": _nf4_codes(scaled).view(n_rows, -1), **parts}
+    return {"codes": _nf4_codes(scaled).view(n_rows, n_groups * blocks.shape[2]), **parts}
 
 
 def _nf4_codes(scaled: Tensor) -> Tensor:
