@@ -146,20 +146,19 @@ def pack_fp6(codes: Tensor) -> Tensor:
     nibbles = x & 0x0F0F0F0F0F0F0F0F
     # Nibble word u: code 2t + h at bit 4t + 16h.
     words = _fold_nibbles(nibbles & _EVEN) | (_fold_nibbles((nibbles >> 8) & _EVEN) << 16)
-    # Top word: e2 of code 8u + 2t + h at bit 4u + t + 16h, its sign 8 bits higher.
-    e2, sign = (x >> 4) & _LOW_BITS, (x >> 5) & _LOW_BITS
-    top = (
-        _fold_bits(e2 & _EVEN_BITS)
-        | (_fold_bits(sign & _EVEN_BITS) << 8)
-        | (_fold_bits((e2 >> 8) & _EVEN_BITS) << 16)
-        | (_fold_bits((sign >> 8) & _EVEN_BITS) << 24)
-    ).view(n_rows, k // CHUNK, 2)
+    # Top word: e2 of code 8u + 2t + h at bit 4u + t + 16h, its sign 8 bits higher. Byte 2t + h of x holds e2 at
+    # bit 4 and the sign at bit 5: per h, put code 2t + h's e2 at bit 16t and its sign at 16t + 8, then fold.
+    both = (x >> 4) & 0x0303030303030303
+    odd = both >> 8
+    top = _fold_pairs((both & _EVEN_BITS) | ((both & (_EVEN_BITS << 1)) << 7)) | (
+        _fold_pairs((odd & _EVEN_BITS) | ((odd & (_EVEN_BITS << 1)) << 7)) << 16
+    )
+    top = top.view(n_rows, k // CHUNK, 2)
     top = top[..., 0] | (top[..., 1] << 4)
     # Words hold 32 bits; as int32 (two's complement wraps bit 31) their bytes are the planes' bytes.
     return torch.cat([words.to(torch.int32).view(torch.uint8), top.to(torch.int32).view(torch.uint8)], dim=1)
 
 
-_LOW_BITS = 0x0101010101010101  # bit 0 of each byte
 _EVEN = 0x000F000F000F000F  # the low nibble of bytes 0, 2, 4, 6
 _EVEN_BITS = 0x0001000100010001  # bit 0 of bytes 0, 2, 4, 6
 
@@ -170,10 +169,10 @@ def _fold_nibbles(x: Tensor) -> Tensor:
     return (x | (x >> 24)) & 0xFFFF
 
 
-def _fold_bits(x: Tensor) -> Tensor:
-    # Bits 0, 16, 32, 48 to bits 0, 1, 2, 3.
+def _fold_pairs(x: Tensor) -> Tensor:
+    # Bits 16t and 16t + 8 (t = 0..3) to bits t and t + 8.
     x = x | (x >> 15)
-    return (x | (x >> 30)) & 0xF
+    return (x | (x >> 30)) & 0x0F0F
 
 
 def _pack_fp6_words(codes: Tensor) -> Tensor:
