@@ -158,6 +158,10 @@ def quantize_weight(
 ) -> dict[str, Tensor]:
     """Quantize a frozen ``(N, K)`` weight into ``fmt``'s components (see the module docstring for the layouts).
 
+    Runs where ``weight`` is (a CUDA weight quantizes on its GPU; the components come back there) in row chunks,
+    so temporaries stay small whatever N; a row slice of a weight quantizes to those rows of the whole weight's
+    components, so a loader may quantize a weight a slice at a time.
+
     Args:
         weight: fp32, bf16 or fp16 ``(N, K)`` tensor, all finite.
         fmt: one of :data:`FORMATS`.
