@@ -308,14 +308,13 @@ def _part(parts: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> Tensor
 def _quantize_rows(rows: Tensor, fmt: str, group_size: int, method: str) -> tuple[dict[str, Tensor], Tensor]:
     # The parts of a chunk of rows, and each group's largest magnitude (nan or inf where the group holds either).
     n_rows, k = rows.shape
-    blocks = rows.reshape(n_rows, k // group_size, group_size)
+    # One fp32 copy (exact from bf16 / fp16), which every step reads: ops on fp32 run ~2x faster than on bf16.
+    blocks = rows.reshape(n_rows, k // group_size, group_size).float()
     if fmt == "int4" and method == "search":
-        values = blocks.float()
-        lo, hi = values.amin(dim=-1, keepdim=True), values.amax(dim=-1, keepdim=True)
-        codes, scales, zeros = _int4_search(values, lo, hi)
+        lo, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+        codes, scales, zeros = _int4_search(blocks, lo, hi)
         return {"codes": codes.view(n_rows, k), "scales": scales, "zeros": zeros}, torch.maximum(hi, -lo)
-    # |x| is exact in every float dtype, so the absmax of the raw values is the fp32 one.
-    amax = blocks.abs().amax(dim=-1, keepdim=True).float()
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
     if fmt == "int8":
         return _quantize_int8(blocks, amax), amax
     if fmt == "int4":
@@ -326,10 +325,10 @@ def _quantize_rows(rows: Tensor, fmt: str, group_size: int, method: str) -> tupl
     return _quantize_nf4(blocks, amax, double_quant=method == "double_quant"), amax
 
 
-# The steps below divide, multiply and round exactly as ``quantize_blocks`` and the first version of each format did
-# (a bf16 or fp16 operand is widened to fp32 inside the op, exactly), so their codes are those codes bit for bit;
-# they only skip passes: no separate fp32 copy, no per-element handling of inf/nan (``quantize_weight`` refuses
-# those), and table lookups where there were searches.
+# The steps below divide, multiply and round exactly as ``quantize_blocks`` and the first version of each format did,
+# so their codes are those codes bit for bit; they only skip passes: no per-element handling of inf/nan
+# (``quantize_weight`` refuses those), table lookups where there were searches, and fp32 -> int8 conversions (codes
+# of 0..127 are the same bytes as uint8, and the conversion is several times faster).
 
 
 def _quantize_int8(blocks: Tensor, amax: Tensor) -> dict[str, Tensor]:
@@ -349,7 +348,7 @@ def _int4_absmax(blocks: Tensor, amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     codes = torch.div(blocks, scales).round_().clamp_(-qmax, qmax).add_(qmax + 1)
     scales = scales.squeeze(-1).to(torch.bfloat16)
     zeros = torch.full_like(scales, (qmax + 1) * _ZERO_STEPS, dtype=torch.uint8)
-    return codes.to(torch.uint8), scales, zeros
+    return codes.to(torch.int8).view(torch.uint8), scales, zeros
 
 
 def _int4_search(blocks: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -416,7 +415,7 @@ def _int4_search(blocks: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor
         fit_s = _to_bf16(dx / dd)
         s = torch.where((fit_s >= tiny) & (fit_s < math.inf), fit_s, s)
     codes = torch.mul(blocks, 1.0 / s).add_(z).round_().clamp_(0, _INT4_TOP)
-    return codes.to(torch.uint8), s.squeeze(-1).to(torch.bfloat16), zeros.squeeze(-1).to(torch.uint8)
+    return codes.to(torch.int8).view(torch.uint8), s.squeeze(-1).to(torch.bfloat16), zeros.squeeze(-1).to(torch.uint8)
 
 
 def _code_sums(q: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
