@@ -115,11 +115,10 @@ assert len(_CLIP_PAIRS) <= 32  # the search keeps a candidate's index in 5 bits
 _LSQ_STEPS = 4
 _SCALE_REFITS = 1
 # Elements per pass. On a CPU a pass's fp32 temporaries should stay in the core's L2 cache (1-2 MB): 64K elements
-# (256 KB each); 256K for the INT4 search, whose per-group steps (a few dozen small ops per chunk) want more groups
-# per op, with three 1 MB buffers reused across its candidates. Packing codes (integer ops on 8-byte words) runs on
-# 256K codes at a time. An accelerator wants large passes instead (each op is a kernel launch); those sizes bound
-# its temporaries to ~2 GB.
-_CHUNK_ELEMENTS = {"cpu": 1 << 16, "search_cpu": 1 << 18, "device": 1 << 26, "search_device": 1 << 26}
+# (256 KB each; the INT4 search reuses three such buffers across its candidates). Packing codes (integer ops on
+# 8-byte words) runs on 256K codes at a time. An accelerator wants large passes instead (each op is a kernel
+# launch); those sizes bound its temporaries to ~2 GB.
+_CHUNK_ELEMENTS = {"cpu": 1 << 16, "search_cpu": 1 << 16, "device": 1 << 26, "search_device": 1 << 26}
 _PACK_ELEMENTS = {"cpu": 1 << 18, "device": 1 << 26}
 
 
