@@ -37,7 +37,7 @@ import sys
 import torch
 from torch import Tensor
 
-from ds_plugin.quant.comm.format import FLOAT_DTYPES, FP32_MAX, QMAX, quantize_blocks, round_up_to_bf16, scale_cap
+from ds_plugin.quant.comm.format import FLOAT_DTYPES, FP32_MAX, QMAX, round_up_to_bf16, scale_cap
 from ds_plugin.quant.frozen import fp6
 
 __all__ = [
@@ -466,15 +466,15 @@ def _quantize_nf4(blocks: Tensor, amax: Tensor, double_quant: bool) -> dict[str,
     # makes each element the nearest level of the grid it is actually stored on.
     # The mean in fp64: an fp32 sum of huge absmaxes could overflow.
     offset = absmax.double().mean(dim=-1, keepdim=True).float()
-    absmax_codes, absmax_scale = quantize_blocks(
-        (absmax - offset)[:, None, :], 8, scale_cap(8, torch.float32), torch.float32
-    )
-    parts = {
-        "absmax_codes": absmax_codes.view(torch.uint8).view(n_rows, n_groups),
-        "absmax_scale": absmax_scale.view(n_rows, 1),
-        "absmax_offset": offset,
-    }
-    stored = _nf4_absmax(parts, (n_rows, n_groups))
+    # quantize_blocks' INT8 rule with fp32 scales, one block per row, op for op (absmax - offset is finite here, so
+    # its inf/nan handling has nothing to do), then _nf4_absmax's rebuild.
+    centred = absmax - offset
+    step = centred.abs().amax(dim=-1, keepdim=True)
+    step = step / torch.full_like(step, float(QMAX[8]))
+    step = torch.where(step == 0, 1.0, step).clamp(max=scale_cap(8, torch.float32))
+    absmax_codes = torch.round(centred / step).clamp_(-QMAX[8], QMAX[8]).to(torch.int8)
+    parts = {"absmax_codes": absmax_codes.view(torch.uint8), "absmax_scale": step, "absmax_offset": offset}
+    stored = absmax_codes.float() * step + offset
     # A group whose rebuilt absmax is <= 0 (tiny next to its row's spread) is stored as zeros (its true absmax is
     # within half an absmax step of 0 anyway): a zero reciprocal scales it to 0, whose level is the zero code.
     recip = torch.where(stored > 0, 1.0 / stored.clamp(min=1e-38), 0.0)
