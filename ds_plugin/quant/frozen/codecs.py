@@ -366,7 +366,7 @@ def _int4_search(blocks: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor
     """
     tiny = torch.finfo(torch.float32).tiny
     lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    r_lo, r_hi = _clip_ratios(blocks.device)
+    r_lo, r_hi, ids = _search_tables(blocks.device)
     # Every candidate's scale, (candidates, rows, groups, 1). Divide each end before subtracting so the span
     # cannot overflow near fp32's max.
     s = (hi * r_hi - lo * (r_lo / _INT4_TOP)).clamp_(min=tiny)
@@ -386,7 +386,7 @@ def _int4_search(blocks: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor
     del t, r, shifted
     # The first candidate with the smallest error, as one amin (argmin over a leading dim is slow on CPUs): the
     # candidate's index replaces the low 5 mantissa bits of its (non-negative) error, a 4e-6 relative change.
-    key = err.mul_(s).clamp_(max=FP32_MAX).view(torch.int32).bitwise_and_(~31).bitwise_or_(_candidate_ids(s.device))
+    key = err.mul_(s).clamp_(max=FP32_MAX).view(torch.int32).bitwise_and_(~31).bitwise_or_(ids)
     pick = (key.view(torch.float32).amin(dim=0).view(torch.int32) & 31).flatten()
     r_lo, r_hi = r_lo.flatten().index_select(0, pick).view_as(lo), r_hi.flatten().index_select(0, pick).view_as(hi)
     s, m = (hi * r_hi - lo * (r_lo / _INT4_TOP)).clamp_(min=tiny), lo * r_lo
@@ -426,14 +426,20 @@ def _code_sums(q: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-def _clip_ratios(device: torch.device) -> tuple[Tensor, Tensor]:
-    # (candidates, 1, 1, 1) ratios for the low end and (ratio / 15) for the high one, on the weight's device.
-    pairs = torch.tensor(_CLIP_PAIRS, dtype=torch.float32, device=device)
-    return pairs[:, 0].view(-1, 1, 1, 1), (pairs[:, 1] / _INT4_TOP).view(-1, 1, 1, 1)
+_SEARCH_TABLES: dict[tuple[torch.device, tuple], tuple[Tensor, Tensor, Tensor]] = {}
 
 
-def _candidate_ids(device: torch.device) -> Tensor:
-    return torch.arange(len(_CLIP_PAIRS), dtype=torch.int32, device=device).view(-1, 1, 1, 1)
+def _search_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    # Per candidate, on the weight's device (made once): the low-end ratio and the high-end ratio / 15, each
+    # (candidates, 1, 1, 1), and the candidate's index (int32, same shape).
+    key = (device, _CLIP_PAIRS)
+    tables = _SEARCH_TABLES.get(key)
+    if tables is None:
+        pairs = torch.tensor(_CLIP_PAIRS, dtype=torch.float32)
+        ids = torch.arange(len(_CLIP_PAIRS), dtype=torch.int32)
+        tables = tuple(t.view(-1, 1, 1, 1).to(device) for t in (pairs[:, 0], pairs[:, 1] / _INT4_TOP, ids))
+        _SEARCH_TABLES[key] = tables
+    return tables
 
 
 def _quantize_fp6(blocks: Tensor, amax: Tensor) -> dict[str, Tensor]:
