@@ -39,6 +39,7 @@ WORK = {
     "kernel-resources": "report",
     "lora-memory": "run",
     "peers": "run",
+    "quantize": "benchmark",
     "slow-link": "benchmark",
     "zero-memory": "run",
 }
@@ -253,6 +254,12 @@ BENCH_FLAGS: dict[str, Spec] = {
         "--png": (["new/peers.png"], bad_output),
         "--host-memory-reuse": (["on", "off"], bad_choice(("on", "off"))),
     },
+    "quantize": {
+        "--rows": (["8", "1"], bad_int()),
+        "--repeats": (["1"], bad_int()),
+        "--threads": (["1", "2"], bad_int()),
+        "--device": (["cpu"], bad_choice(("cpu", "cuda"))),
+    },
     "slow-link": {
         "--hidden": (["64"], bad_int()),
         "--layers": (["1"], bad_int()),
@@ -281,7 +288,7 @@ BENCH_FLAGS: dict[str, Spec] = {
 }
 BENCH_SWITCHES = {"comm": ["--json"], "fp8": ["--json"], "kernels": ["--json", "--no-gemlite"]}
 BENCH_SWITCHES |= {"lora-memory": ["--json", "--no-isolate"], "peers": ["--json"], "slow-link": ["--json"]}
-BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"], "kernel-resources": ["--json"]}
+BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"], "kernel-resources": ["--json"], "quantize": ["--json"]}
 assert set(BENCH_FLAGS) == set(BENCHMARKS) == set(BENCH_SWITCHES)
 
 ESTIMATE_FLAGS: Spec = {
