@@ -1,0 +1,704 @@
+"""`load_pretrained`: a Hugging Face safetensors checkpoint loaded straight into a ZeRO model, each rank reading
+only the rows it keeps, frozen Linear weights quantized as they are read.
+
+`from_pretrained` followed by `quantize_frozen_` and sharding holds the whole model in full precision on every rank
+first (a 7B model: 27 GB per rank in fp32) before ZeRO-3 or 4-bit storage save anything. Here, in order:
+
+1. the checkpoint's headers are read and checked against the model the config describes (every tensor present, its
+   shape and dtype), on every rank alike, before anything is allocated or any collective runs: a bad checkpoint is
+   one `CheckpointLoadError` line naming the file and the tensor;
+2. the model is built on the meta device (buffers such as rotary frequencies stay real), peft's adapters are added
+   to it (their values drawn as on a real base), and the frozen Linear weights `quantize_frozen_` would choose
+   become meta `QuantizedWeight`s of the same format and group size;
+3. stages 2/3: `apply_plan` shards the empty model (FSDP2 sees the quantized weights, so it shards their codes), the
+   rank allocates its shards, and each parameter's rows are read from the file into them: `Shard(0)`'s rows,
+   torch.chunk's split (`shard_rows`), quantized on the way for the frozen Linear weights. No collective runs.
+   Stages 0/1 keep whole weights: each rank reads and quantizes its share of a frozen weight's rows and the ranks
+   all-gather the codes (as `quantize_frozen_(process_group=...)` does); other tensors are read whole.
+
+A frozen weight's codes depend on its rows alone, so rows quantized apart are the weight quantized whole, bit for
+bit: the model equals `from_pretrained(dtype=...)` + `quantize_frozen_` + `apply_zero` at the same world size.
+
+Rows are read with positional reads of the byte range they fill in the file (a dim-0 slice of a row-major tensor is
+contiguous), not through a memory map: pages a map touches count in the process's resident memory until it is
+unmapped, which on a 7B checkpoint is the rank's whole share of it. Per rank at most one tensor's rows are held in
+full precision at a time, beyond the shards (`LoadStats` records it). The safetensors headers themselves are also
+opened with `safetensors.safe_open`, which validates them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import struct
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ds_plugin.presets import ConfigSource
+from ds_plugin.quant.frozen import quantize as _frozen
+from ds_plugin.quant.frozen.codecs import check_weight, quantize_weight
+from ds_plugin.quant.frozen.quantize import default_group_size, is_output_head, peft_adapter_modules
+from ds_plugin.quant.frozen.tensor import FrozenStorageStats, QuantizedWeight
+from ds_plugin.zero.apply import apply_plan
+from ds_plugin.zero.init import meta_init
+from ds_plugin.zero.mesh import data_parallel_mesh, mesh_device, torch_dtype
+from ds_plugin.zero.plan import ZeroPlan, plan_for
+from ds_plugin.zero.stage1 import shard_rows
+from ds_plugin.zero.wrap import BlockTypes
+
+__all__ = ["CheckpointLoadError", "LoadStats", "SafetensorsCheckpoint", "load_pretrained"]
+
+logger = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
+
+
+class CheckpointLoadError(ValueError):
+    """A checkpoint that cannot be loaded into the model: one line naming the file, the tensor and the fix."""
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What one rank's load did, for reports and tests.
+
+    Args:
+        read_bytes: bytes read from the checkpoint files (this rank's rows only, at stages 2/3).
+        peak_live_bytes: the most full-precision bytes the loader held at once beyond the shards (rows as read and
+            converted), tracked with weak references as they are freed.
+        largest_tensor_bytes: the largest such bytes of a single tensor (rows as read plus their conversion).
+        quantize_s: seconds spent quantizing on this rank.
+        read_s: seconds spent reading on this rank.
+    """
+
+    read_bytes: int = 0
+    peak_live_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    quantize_s: float = 0.0
+    read_s: float = 0.0
+    _live: int = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        self._live += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self._live)
+        weakref.finalize(tensor, self._free, nbytes)
+        return tensor
+
+    def _free(self, nbytes: int) -> None:
+        self._live -= nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of the tensor's first byte in the file
+    nbytes: int
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a safetensors checkpoint (one file, or shards with their index JSON), by name; headers only.
+
+    Args:
+        path: the checkpoint directory (or one .safetensors file).
+
+    Raises:
+        CheckpointLoadError: no safetensors weights, an index naming a file that is not there, a shard missing from
+            a ``-0000k-of-0000n`` series, or a file whose header is unreadable or whose data is cut short.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.entries: dict[str, _Entry] = {}
+        where = self.path
+        if where.is_file():
+            files = [where]
+        elif (where / INDEX).is_file():
+            files = self._from_index(where / INDEX)
+        elif (where / SINGLE).is_file():
+            files = [where / SINGLE]
+        else:
+            files = sorted(where.glob("*.safetensors"))
+            if not files:
+                bins = sorted(p.name for p in where.glob("*.bin"))
+                hint = (
+                    f" (found {bins[0]}: save it again with save_pretrained(safe_serialization=True))" if bins else ""
+                )
+                raise CheckpointLoadError(f"{where}: no *.safetensors weights{hint}")
+            self._check_series(files)
+        for file in files:
+            self._read_header(file)
+
+    def _from_index(self, index: Path) -> list[Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointLoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        files: dict[str, list[str]] = {}
+        for tensor, name in weight_map.items():
+            files.setdefault(name, []).append(tensor)
+        for name, tensors in files.items():
+            if not (index.parent / name).is_file():
+                more = f" (and {len(tensors) - 1} more)" if len(tensors) > 1 else ""
+                raise CheckpointLoadError(
+                    f"{index.parent / name}: no such file, named by {index.name} for tensor {tensors[0]}{more}; the "
+                    "checkpoint is incomplete: copy the missing shard"
+                )
+        self._index = weight_map
+        return [index.parent / name for name in sorted(files)]
+
+    @staticmethod
+    def _check_series(files: list[Path]) -> None:
+        found = [m for f in files if (m := _SHARD_NAME.search(f.name))]
+        if not found:
+            return
+        total = int(found[0].group(2))
+        have = {int(m.group(1)) for m in found}
+        missing = sorted(set(range(1, total + 1)) - have)
+        if missing:
+            name = _SHARD_NAME.sub(f"-{missing[0]:0{len(found[0].group(1))}d}-of-{found[0].group(2)}.safetensors",
+                                   files[0].name)  # fmt: skip
+            raise CheckpointLoadError(
+                f"{files[0].parent / name}: no such file, shard {missing[0]} of {total}; the checkpoint is "
+                "incomplete: copy the missing shard"
+            )
+
+    def _read_header(self, file: Path) -> None:
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > size - 8:
+                    raise ValueError(f"header of {length} bytes in a file of {size}")
+                header = json.loads(f.read(length))
+        except (OSError, ValueError, struct.error) as e:
+            raise CheckpointLoadError(
+                f"{file}: not a readable safetensors file ({e}); it may be truncated: copy it again"
+            ) from None
+        start = 8 + length
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            if start + end > size:
+                raise CheckpointLoadError(
+                    f"{file}: tensor {name} ends at byte {start + end} but the file has {size}; the file is "
+                    "truncated: copy it again"
+                )
+            dtype = _DTYPES.get(meta["dtype"])
+            if dtype is None:
+                raise CheckpointLoadError(f"{file}: tensor {name} has dtype {meta['dtype']}, which is not supported")
+            if name in self.entries:
+                raise CheckpointLoadError(f"{file}: tensor {name} is also in {self.entries[name].file.name}")
+            self.entries[name] = _Entry(file, dtype, tuple(meta["shape"]), start + begin, end - begin)
+        # safetensors' own reader validates what the JSON alone does not (offsets that overlap or leave gaps).
+        from safetensors import safe_open
+
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise CheckpointLoadError(f"{file}: safetensors rejects it ({e}); copy it again") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def nbytes(self) -> int:
+        """Bytes of all the tensors' data."""
+        return sum(e.nbytes for e in self.entries.values())
+
+    def read_rows(self, name: str, start: int, length: int, stats: LoadStats | None = None) -> torch.Tensor:
+        """Rows ``start:start+length`` of a tensor, in its file dtype, read with one positional read.
+
+        Args:
+            name: the tensor's name in the checkpoint.
+            start: first row (dim 0).
+            length: number of rows.
+            stats: where to count the bytes and track the tensor.
+        """
+        e = self.entries[name]
+        shape = e.shape or (1,)
+        row_bytes = e.nbytes // shape[0] if shape[0] else 0
+        out = torch.empty((length, *shape[1:]), dtype=e.dtype)
+        buf = out.view(-1).view(torch.uint8) if out.numel() else None
+        if buf is not None:
+            with open(e.file, "rb", buffering=0) as f:
+                view = memoryview(buf.numpy())
+                got = os.preadv(f.fileno(), [view], e.offset + start * row_bytes)
+            if got != buf.numel():
+                raise CheckpointLoadError(f"{e.file}: tensor {name}: read {got} of {buf.numel()} bytes; copy it again")
+        if stats is not None:
+            stats.read_bytes += out.numel() * out.element_size()
+            stats.track(out)
+        return out.reshape(e.shape) if not e.shape else out
+
+
+# ---------------------------------------------------------------------- names
+
+
+_PEFT_PARTS = re.compile(r"\.(base_layer|original_module)(?=\.)|\.modules_to_save\.[^.]+(?=\.)")
+
+
+def _base_name(name: str) -> str:
+    # peft's names -> the base model's: the PeftModel prefix, LoRA's base_layer, modules_to_save's copies.
+    for prefix in ("base_model.model.", "base_model."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    return _PEFT_PARTS.sub("", name)
+
+
+def _checkpoint_keys(base: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[str, str]:
+    """Base-model parameter name -> checkpoint tensor name, for every name a tensor exists for (ties included)."""
+    prefix = getattr(base, "base_model_prefix", "") or ""
+    aliases: dict[int, list[str]] = {}
+    for name, p in base.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(_base_name(name))
+    out: dict[str, str] = {}
+    for names in aliases.values():
+        found = None
+        for name in names:
+            candidates = [name]
+            if prefix:
+                candidates += [f"{prefix}.{name}", name.removeprefix(f"{prefix}.")]
+            found = next((c for c in candidates if c in ckpt), None)
+            if found:
+                break
+        if found:
+            out.update((name, found) for name in names)
+    return out
+
+
+# ---------------------------------------------------------------------- building the empty model
+
+
+@contextlib.contextmanager
+def _nothing_moves_to_meta() -> Iterator[None]:
+    """Inside the block, `module.to("meta", ...)` keeps the module where it is (a dtype change still applies).
+
+    peft moves each new adapter (and prompt encoder) to its base layer's device, which on a meta base would drop
+    the values it just drew; left where they were made, they equal get_peft_model's on a real base (the same draws,
+    in the same order, cast to the same dtype). Patches `nn.Module.to` while active (as `meta_init` patches
+    `register_parameter`); not thread-safe.
+    """
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type == "meta":
+            return original(self, dtype=dtype) if dtype is not None else self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original
+
+
+def _build(path: Path, model_class: Any, dtype: torch.dtype, peft_config: Any, model_kwargs: dict) -> tuple:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **model_kwargs)
+    except (OSError, ValueError) as e:
+        raise CheckpointLoadError(f"{path / 'config.json'}: {str(e).splitlines()[0]}") from None
+    with meta_init():
+        base = (model_class or AutoModelForCausalLM).from_config(hf_config, dtype=dtype)
+    model = base
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        with _nothing_moves_to_meta():
+            model = get_peft_model(base, peft_config)
+    return hf_config, base, model
+
+
+def _frozen_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    # quantize_frozen_'s default choice: frozen, not tied to an embedding, not the output head, not peft's.
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    adapters = peft_adapter_modules(model)
+    chosen = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module.weight, QuantizedWeight):
+            continue
+        w = module.weight
+        if w.requires_grad or id(w) in tied or id(module) in adapters or is_output_head(model, name, module):
+            continue
+        chosen.append((name, module))
+    return chosen
+
+
+def _quantize_on_meta(model: nn.Module, fmt: str, group_size: int | None) -> dict[str, tuple[str, int]]:
+    """Swap the chosen frozen Linear weights for meta `QuantizedWeight`s; returns name -> (fmt, group size)."""
+    stats = model.__dict__.setdefault(_frozen._STATS_ATTR, FrozenStorageStats())
+    layouts: dict[tuple, dict[str, torch.Tensor]] = {}
+    done: dict[int, nn.Parameter] = {}
+    out: dict[str, tuple[str, int]] = {}
+    for name, module in _frozen_linears(model):
+        w = module.weight
+        rows, cols = w.shape
+        g = default_group_size(fmt, cols) if group_size is None else group_size
+        try:
+            check_weight(fmt, (rows, cols), g)
+        except ValueError as e:
+            raise CheckpointLoadError(f"{name}.weight: {e}") from None
+        if id(w) not in done:
+            key = (fmt, cols, g, w.dtype)
+            if key not in layouts:  # the components' widths: one zero row, quantized
+                layouts[key] = quantize_weight(torch.zeros(1, cols, dtype=w.dtype), fmt, g)
+            parts = {
+                n: torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device="meta") for n, p in layouts[key].items()
+            }
+            q = QuantizedWeight(parts, fmt, g, (rows, cols), w.dtype, stats)
+            done[id(w)] = nn.Parameter(q, requires_grad=False)
+        module.weight = done[id(w)]
+        out[f"{name}.weight" if name else "weight"] = (fmt, g)
+    return out
+
+
+def _hold_real(model: nn.Module) -> dict[str, torch.Tensor]:
+    # Parameters made outside the meta device (peft's adapters): kept aside by name, the model's own copy put on
+    # meta so the model is uniformly empty; their rows are copied back like the checkpoint's.
+    held: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for leaf, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            if p.is_meta:
+                continue
+            held[name] = p.detach()
+            module._parameters[leaf] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    return held
+
+
+# ---------------------------------------------------------------------- checking before anything is read
+
+
+def _declared_dtype(path: Path) -> str | None:
+    # config.json's own word (transformers rewrites the config object's dtype to the one a model is built in).
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    declared = raw.get("dtype") or raw.get("torch_dtype")
+    return declared if isinstance(declared, str) else None
+
+
+def _check(
+    model: nn.Module, base_keys: dict[str, str], held: dict, ckpt: SafetensorsCheckpoint, declared_dtype: str | None
+) -> dict[str, str]:
+    """Parameter name -> checkpoint tensor for every parameter not held in memory; every problem is one line."""
+    declared = getattr(torch, declared_dtype, None) if declared_dtype else None
+    sources: dict[str, str] = {}
+    added = peft_adapter_modules(model)
+    adapters = {id(p) for m in model.modules() if id(m) in added for p in m.parameters()}
+    for name, p in model.named_parameters():
+        if name in held:
+            continue
+        key = base_keys.get(_base_name(name))
+        if key is None:
+            if p.requires_grad or id(p) in adapters:
+                continue  # a new head (a reward model's score): initialised, as from_pretrained does
+            raise CheckpointLoadError(
+                f"{ckpt.path}: no tensor {_base_name(name)} in any file; the checkpoint is incomplete or is not this "
+                "model's"
+            )
+        e = ckpt.entries[key]
+        if tuple(e.shape) != tuple(p.shape):
+            raise CheckpointLoadError(
+                f"{e.file}: tensor {key} has shape {list(e.shape)} but config.json makes it {list(p.shape)}; the "
+                "weights do not belong to this config"
+            )
+        if not e.dtype.is_floating_point or (isinstance(declared, torch.dtype) and e.dtype != declared):
+            want = declared if isinstance(declared, torch.dtype) else "a floating dtype"
+            raise CheckpointLoadError(
+                f"{e.file}: tensor {key} is {e.dtype} but config.json declares {want}; the weights do not belong to "
+                "this config"
+            )
+        sources[name] = key
+    return sources
+
+
+# ---------------------------------------------------------------------- filling the allocated model
+
+
+def _rows_of(p: torch.Tensor, sharded: bool, mesh: Any) -> tuple[int, int]:
+    if sharded and isinstance(p, DTensor):
+        return shard_rows(p.shape[0], mesh.size(), mesh.get_local_rank())
+    return 0, p.shape[0] if p.dim() else 1
+
+
+def _to_local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class _Filler:
+    def __init__(self, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, mesh: Any, stats: LoadStats) -> None:
+        self.ckpt, self.dtype, self.mesh, self.stats = ckpt, dtype, mesh, stats
+
+    def rows(self, source: str | torch.Tensor, start: int, length: int) -> torch.Tensor:
+        # The checkpoint's rows in the load dtype (what from_pretrained(dtype=...) would hold), tracked.
+        import time
+
+        t0 = time.perf_counter()
+        if isinstance(source, torch.Tensor):
+            raw = source.reshape(-1, *source.shape[1:]) if source.dim() else source.reshape(1)
+            raw = raw[start : start + length]
+        else:
+            raw = self.ckpt.read_rows(source, start, length, self.stats)
+        out = raw.to(self.dtype) if raw.is_floating_point() and raw.dtype != self.dtype else raw
+        if out is not raw and out.data_ptr() != raw.data_ptr():
+            self.stats.track(out)
+        self.stats.largest_tensor_bytes = max(
+            self.stats.largest_tensor_bytes,
+            raw.numel() * raw.element_size() + (out.numel() * out.element_size() if out is not raw else 0),
+        )
+        self.stats.read_s += time.perf_counter() - t0
+        return out
+
+    def quantize(self, rows: torch.Tensor, q: QuantizedWeight) -> dict[str, torch.Tensor]:
+        import time
+
+        t0 = time.perf_counter()
+        parts = quantize_weight(rows, q.fmt, q.group_size)
+        self.stats.quantize_s += time.perf_counter() - t0
+        return parts
+
+    def fill_sharded(self, p: torch.Tensor, source: str | torch.Tensor) -> None:
+        local = _to_local(p)
+        start, length = _rows_of(p, True, self.mesh)
+        if length == 0:
+            return
+        rows = self.rows(source, start, length)
+        if isinstance(local, QuantizedWeight):
+            for name, part in self.quantize(rows, local).items():
+                local.parts[name].copy_(part)
+        else:
+            local.copy_(rows.reshape(local.shape))
+
+    def fill_whole(self, p: torch.Tensor, source: str | torch.Tensor) -> None:
+        if not isinstance(p, QuantizedWeight):
+            p.detach().copy_(self.rows(source, 0, p.shape[0] if p.dim() else 1).reshape(p.shape))
+            return
+        # Each rank quantizes its share of the rows (zero rows pad the last) and the ranks gather the codes.
+        world = self.mesh.size() if self.mesh is not None else 1
+        rank = self.mesh.get_local_rank() if self.mesh is not None else 0
+        total = p.shape[0]
+        per = -(-total // world)
+        start, length = min(rank * per, total), max(0, min(per, total - rank * per))
+        local = torch.zeros((per, p.shape[1]), dtype=self.dtype)
+        if length:
+            local[:length].copy_(self.rows(source, start, length))
+        parts = self.quantize(local, p)
+        del local
+        if world == 1:
+            for name, part in parts.items():
+                p.parts[name].copy_(part[:total])
+            return
+        group = self.mesh.get_group()
+        device = mesh_device(self.mesh)
+        for name, part in parts.items():
+            gathered = part.new_empty((world * per, *part.shape[1:]), device=device)
+            dist.all_gather_into_tensor(gathered, part.to(device).contiguous(), group=group)
+            p.parts[name].copy_(gathered[:total])
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    # to_empty gives every parameter fresh storage (unties shared ones: tied back here) and empties the buffers the
+    # constructor computed (kept and copied back).
+    saved = {name: b for name, b in model.named_buffers() if not b.is_meta}
+    tied: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for names in tied.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if module._parameters[leaf] is not first:
+                setattr(module, leaf, first)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in saved:
+                b.copy_(saved[name])
+
+
+def _init_new(model: nn.Module, names: list[str], seed: int) -> None:
+    # Parameters the checkpoint does not hold (a new head): the owning module's own initialisation, whole, then
+    # the local rows kept; the same seed on every rank.
+    from ds_plugin.zero.init import _FullThenShard
+
+    owners = {name.rpartition(".")[0] for name in names}
+    hf = next((m for m in model.modules() if callable(getattr(m, "_init_weights", None))), None)
+    with torch.random.fork_rng(), torch.no_grad(), _FullThenShard():
+        torch.manual_seed(seed)
+        for owner in sorted(owners):
+            module = model.get_submodule(owner)
+            if hf is not None:
+                hf._init_weights(module)
+            elif callable(reset := getattr(module, "reset_parameters", None)):
+                reset()
+    logger.warning("not in the checkpoint, newly initialised: %s", ", ".join(sorted(names)))
+
+
+# ---------------------------------------------------------------------- the public function
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    config: ZeroPlan | ConfigSource | None = None,
+    *,
+    model_class: Any = None,
+    peft_config: Any = None,
+    frozen_format: str | None = None,
+    frozen_group_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    mesh: Any = None,
+    block_types: BlockTypes | None = None,
+    stats: LoadStats | None = None,
+    seed: int = 0,
+    **model_kwargs: Any,
+) -> nn.Module:
+    """Load a local Hugging Face safetensors checkpoint into a ZeRO model, streaming: each rank reads only the rows
+    it keeps, frozen Linear weights are quantized as they are read, no rank ever holds the whole model.
+
+    The result is the model `from_pretrained(path, dtype=dtype)` (with `get_peft_model(..., peft_config)`), then
+    `quantize_frozen_`, then `apply_zero(model, config)` would give, bit for bit, already sharded: pass it to
+    `ds_plugin.initialize` (or Lightning / Accelerate), which builds the engine on it without sharding it again.
+
+    Args:
+        path: the checkpoint directory: config.json and model.safetensors, or shards with their index JSON.
+        config: the ZeRO config (a `ZeroPlan`, preset name, DeepSpeed dict or path, `TrainingConfig`); needs an
+            initialized process group. None: no ZeRO, a plain model on CPU (one process; e.g. to reload an adapter).
+        model_class: the transformers auto class (default `AutoModelForCausalLM`; e.g.
+            `AutoModelForSequenceClassification`, whose new head is initialised as `from_pretrained` does).
+        peft_config: a peft config (`LoraConfig`, `PrefixTuningConfig`, ...) whose adapters are added to the empty
+            base: a `PeftModel` is returned, its base frozen.
+        frozen_format: "int8", "int4", "nf4" or "fp6" storage of the frozen Linear weights (the output head and
+            peft's modules excepted, as in `quantize_frozen_`); default the config's
+            `zero_optimization.frozen_format`, None stores them in `dtype`.
+        frozen_group_size: elements per scale; default the config's, else the format's for the width.
+        dtype: the dtype tensors are loaded in (as `from_pretrained(dtype=...)`); setup then keeps fp32 masters of
+            trainable ones and the compute dtype for frozen ones.
+        mesh: the 1-D data-parallel mesh; default all ranks.
+        block_types: blocks to shard separately (see `apply_zero`).
+        stats: a `LoadStats` to fill (bytes read, the most full-precision bytes held at once, seconds).
+        seed: seed of the parameters the checkpoint lacks (a new head), the same on every rank.
+        model_kwargs: config overrides for `AutoConfig.from_pretrained` (e.g. `num_labels=1`).
+
+    Raises:
+        CheckpointLoadError: a missing shard or tensor, a truncated file, a shape or dtype that does not match
+            config.json, an index naming a file that is not there (one line naming the file and the tensor),
+            raised on every rank before anything is allocated or any collective runs.
+        ZeroSetupError: as `apply_zero`.
+    """
+    import time
+
+    path = Path(path)
+    stats = stats if stats is not None else LoadStats()
+    ckpt = SafetensorsCheckpoint(path)
+    plan = mesh_ = None
+    if config is not None:
+        mesh_ = data_parallel_mesh(mesh)
+        plan = plan_for(config, mesh_)
+    fmt = frozen_format or (plan.frozen_format if plan is not None else None)
+    group_size = frozen_group_size or (plan.frozen_group_size if plan is not None else None)
+    if fmt is not None and fmt not in _frozen.FROZEN_FORMATS:
+        raise CheckpointLoadError(f"frozen_format {fmt!r} is not one of {', '.join(_frozen.FROZEN_FORMATS)}")
+
+    _, base, model = _build(path, model_class, dtype, peft_config, model_kwargs)
+    base_keys = _checkpoint_keys(base, ckpt)
+    held = _hold_real(model)
+    sources = _check(model, base_keys, held, ckpt, _declared_dtype(path))
+    if fmt is not None:
+        _quantize_on_meta(model, fmt, group_size)
+
+    started = time.perf_counter()
+    filler = _Filler(ckpt, dtype, mesh_, stats)
+    sharded = plan is not None and plan.stage >= 2
+    device = mesh_device(mesh_) if mesh_ is not None else torch.device("cpu")
+    if sharded:
+        apply_plan(model, plan, mesh=mesh_, block_types=block_types, sync_module_states=False)
+    _materialize(model, device)
+    missing: list[str] = []
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in done:
+                continue
+            done.add(id(p))
+            source = held.get(name, sources.get(name))
+            if source is None:
+                missing.append(name)
+            elif sharded:
+                filler.fill_sharded(p, source)
+            else:
+                filler.fill_whole(p, source)
+    if missing:
+        _init_new(model, missing, seed)
+    if plan is not None and not sharded:
+        apply_plan(model, plan, mesh=mesh_, block_types=block_types, sync_module_states=False)
+    rank = mesh_.get_local_rank() if mesh_ is not None else 0
+    if rank == 0:
+        logger.info(
+            "loaded %s (%.1f MB of weights) in %.1f s: read %.1f MB on rank 0, quantized %s in %.1f s",
+            path,
+            ckpt.nbytes() / 2**20,
+            time.perf_counter() - started,
+            stats.read_bytes / 2**20,
+            fmt or "nothing",
+            stats.quantize_s,
+        )
+    return model
+
+
+def naive_load_bytes(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes `from_pretrained(path, dtype=dtype)` holds on every rank before sharding: every tensor in `dtype`.
+
+    Args:
+        path: the checkpoint directory.
+        dtype: the load dtype.
+    """
+    ckpt = SafetensorsCheckpoint(path)
+    return sum(math.prod(e.shape) * dtype.itemsize for e in ckpt.entries.values())
+
+
+def compute_dtype_of(plan: ZeroPlan) -> torch.dtype:
+    """The torch dtype of a plan's compute dtype (for callers choosing `dtype`).
+
+    Args:
+        plan: a resolved plan.
+    """
+    return torch_dtype(plan.compute_dtype)
