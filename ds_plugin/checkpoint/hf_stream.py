@@ -325,7 +325,9 @@ def _nothing_moves_to_meta() -> Iterator[None]:
         nn.Module.to = original
 
 
-def _build(path: Path, model_class: Any, dtype: torch.dtype, peft_config: Any, model_kwargs: dict) -> tuple:
+def _build(
+    path: Path, model_class: Any, dtype: torch.dtype, peft_config: Any, frozen: bool, model_kwargs: dict
+) -> tuple:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -334,6 +336,8 @@ def _build(path: Path, model_class: Any, dtype: torch.dtype, peft_config: Any, m
         raise CheckpointLoadError(f"{path / 'config.json'}: {str(e).splitlines()[0]}") from None
     with meta_init():
         base = (model_class or AutoModelForCausalLM).from_config(hf_config, dtype=dtype)
+    if frozen:
+        base.requires_grad_(False)
     model = base
     if peft_config is not None:
         from peft import get_peft_model
@@ -582,6 +586,7 @@ def load_pretrained(
     *,
     model_class: Any = None,
     peft_config: Any = None,
+    frozen: bool = False,
     frozen_format: str | None = None,
     frozen_group_size: int | None = None,
     dtype: torch.dtype = torch.float32,
@@ -606,6 +611,8 @@ def load_pretrained(
             `AutoModelForSequenceClassification`, whose new head is initialised as `from_pretrained` does).
         peft_config: a peft config (`LoraConfig`, `PrefixTuningConfig`, ...) whose adapters are added to the empty
             base: a `PeftModel` is returned, its base frozen.
+        frozen: freeze every parameter of the base (a reference model, inference); with `peft_config` the base is
+            frozen anyway.
         frozen_format: "int8", "int4", "nf4" or "fp6" storage of the frozen Linear weights (the output head and
             peft's modules excepted, as in `quantize_frozen_`); default the config's
             `zero_optimization.frozen_format`, None stores them in `dtype`.
@@ -638,7 +645,7 @@ def load_pretrained(
     if fmt is not None and fmt not in _frozen.FROZEN_FORMATS:
         raise CheckpointLoadError(f"frozen_format {fmt!r} is not one of {', '.join(_frozen.FROZEN_FORMATS)}")
 
-    _, base, model = _build(path, model_class, dtype, peft_config, model_kwargs)
+    _, base, model = _build(path, model_class, dtype, peft_config, frozen, model_kwargs)
     base_keys = _checkpoint_keys(base, ckpt)
     held = _hold_real(model)
     sources = _check(model, base_keys, held, ckpt, _declared_dtype(path))
