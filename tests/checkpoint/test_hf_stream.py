@@ -109,10 +109,11 @@ def _peak_rss_during(fn) -> tuple[object, int, int]:
     return result, max(peak[0], end) - base, end - base
 
 
-def _memory_case(path: str) -> dict:
+def _memory_case(path: str, warm_up: str) -> dict:
     from ds_plugin.checkpoint.hf_stream import LoadStats, load_pretrained
-    from ds_plugin.zero.init import meta_init  # noqa: F401  (imported before measuring: no import in the sample)
 
+    # Everything a load imports (peft's tuners, transformers' model code) is imported before measuring.
+    load_pretrained(warm_up, {"zero_optimization": {"stage": 3, "frozen_format": "int8"}}, peft_config=_lora())
     stats = LoadStats()
     config = {"zero_optimization": {"stage": 3, "frozen_format": "int8"}}
     model, peak, end = _peak_rss_during(lambda: load_pretrained(path, config, peft_config=_lora(), stats=stats))
@@ -136,7 +137,7 @@ def _cases(rank: int, world: int, untied: str, tied: str, bigger: str | None) ->
         "zero3_int8_tied": _both_ways(tied, 3, "int8", _lora()),
     }
     if bigger is not None:
-        out["memory"] = _memory_case(bigger)
+        out["memory"] = _memory_case(bigger, untied)
     return out
 
 
@@ -158,7 +159,7 @@ def _check_identical(results: list[dict], name: str, world: int) -> None:
 def test_streamed_equals_from_pretrained_two_ranks(tmp_path):
     untied = save_llama(tmp_path / "untied")
     tied = save_llama(tmp_path / "tied", tied=True)
-    bigger = save_llama(tmp_path / "bigger", hidden=512, layers=6, vocab=4096, shard="20MB")
+    bigger = save_llama(tmp_path / "bigger", hidden=512, layers=12, vocab=1024, shard="20MB")
     shards = sorted(p.name for p in untied.glob("*.safetensors"))
     assert len(shards) == 2 and (untied / "model.safetensors.index.json").is_file(), shards
     results = run_ranks(_cases, 2, timeout=420, untied=str(untied), tied=str(tied), bigger=str(bigger))
@@ -177,7 +178,8 @@ def test_streamed_equals_from_pretrained_two_ranks(tmp_path):
         assert stats.read_bytes < 0.6 * sum(p.stat().st_size for p in bigger.glob("*.safetensors")), stats
         assert 0 < stats.peak_live_bytes <= stats.largest_tensor_bytes < naive / 10, (stats, naive)
         beyond = memory["peak"] - memory["local_bytes"]
-        assert memory["peak"] < naive / 2 and beyond < 4 * stats.largest_tensor_bytes + 16 * 2**20, (rank, memory)
+        # (the resident memory also keeps what the allocator freed, and the heap's fragments: hence the slack)
+        assert memory["peak"] < naive / 3 and beyond < 4 * stats.largest_tensor_bytes + 16 * 2**20, (rank, memory)
 
 
 def _meta_llama(path: Path):
