@@ -506,7 +506,8 @@ class _Filler:
             return
         rows = self.rows(source, start, length)
         if isinstance(local, QuantizedWeight):
-            for name, part in self.quantize(rows, local).items():
+            # Quantized where the weight lives: on the GPU under NCCL.
+            for name, part in self.quantize(rows.to(local.device), local).items():
                 local.parts[name].copy_(part)
         else:
             local.copy_(rows.reshape(local.shape))
@@ -521,7 +522,7 @@ class _Filler:
         total = p.shape[0]
         per = -(-total // world)
         start, length = min(rank * per, total), max(0, min(per, total - rank * per))
-        local = torch.zeros((per, p.shape[1]), dtype=self.dtype)
+        local = torch.zeros((per, p.shape[1]), dtype=self.dtype, device=p.device)
         if length:
             local[:length].copy_(self.rows(source, start, length))
         parts = self.quantize(local, p)

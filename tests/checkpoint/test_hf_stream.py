@@ -51,9 +51,10 @@ def _lora(modules_to_save: list[str] | None = None):
 
 def _both_ways(path: str, stage: int, fmt: str, lora) -> dict:
     """Logits of the reference and of the streamed model, at load and after one identical AdamW step."""
+    from transformers import AutoModelForCausalLM
+
     import ds_plugin
     from ds_plugin.checkpoint.hf_stream import LoadStats, load_pretrained
-    from transformers import AutoModelForCausalLM
 
     config = {"zero_optimization": {"stage": stage, "frozen_format": fmt}, "gradient_clipping": 0.0}
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
