@@ -62,7 +62,7 @@ def llama_tensors(shape: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
         out += [(f"{p}mlp.gate_proj.weight", (i, h)), (f"{p}mlp.up_proj.weight", (i, h))]
         out += [(f"{p}mlp.down_proj.weight", (h, i))]
         out += [(f"{p}input_layernorm.weight", (h,)), (f"{p}post_attention_layernorm.weight", (h,))]
-    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    return [*out, ("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
 def _hf_config(shape: dict[str, int]) -> dict[str, Any]:

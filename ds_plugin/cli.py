@@ -30,6 +30,7 @@ BENCHMARKS = {
     "fp8": "benchmarks.fp8",
     "kernels": "benchmarks.kernels",
     "kernel-resources": "benchmarks.kernel_resources",
+    "big-model": "benchmarks.big_model",
 }
 NO_CHECKOUT = (
     "needs the repository checkout (benchmarks/ is not installed): run it from a clone installed with "

@@ -52,7 +52,7 @@ from ds_plugin.quant.frozen.codecs import check_weight, quantize_weight
 from ds_plugin.quant.frozen.quantize import default_group_size, is_output_head, peft_adapter_modules
 from ds_plugin.quant.frozen.tensor import FrozenStorageStats, QuantizedWeight
 from ds_plugin.zero.apply import apply_plan
-from ds_plugin.zero.init import meta_init
+from ds_plugin.zero.init import PENDING_LOAD, materialize_, meta_init
 from ds_plugin.zero.mesh import data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import shard_rows
@@ -499,9 +499,9 @@ class _Filler:
         self.stats.quantize_s += time.perf_counter() - t0
         return parts
 
-    def fill_sharded(self, p: torch.Tensor, source: str | torch.Tensor) -> None:
+    def fill_sharded(self, p: DTensor, source: str | torch.Tensor) -> None:
         local = _to_local(p)
-        start, length = _rows_of(p, True, self.mesh)
+        start, length = _rows_of(p, True, p.device_mesh)
         if length == 0:
             return
         rows = self.rows(source, start, length)
@@ -539,27 +539,6 @@ class _Filler:
             p.parts[name].copy_(gathered[:total])
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    # to_empty gives every parameter fresh storage (unties shared ones: tied back here) and empties the buffers the
-    # constructor computed (kept and copied back).
-    saved = {name: b for name, b in model.named_buffers() if not b.is_meta}
-    tied: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(p), []).append(name)
-    model.to_empty(device=device)
-    for names in tied.values():
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner)
-            if module._parameters[leaf] is not first:
-                setattr(module, leaf, first)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name in saved:
-                b.copy_(saved[name])
-
-
 def _init_new(model: nn.Module, names: list[str], seed: int) -> None:
     # Parameters the checkpoint does not hold (a new head): the owning module's own initialisation, whole, then
     # the local rows kept; the same seed on every rank.
@@ -595,6 +574,7 @@ def load_pretrained(
     block_types: BlockTypes | None = None,
     stats: LoadStats | None = None,
     seed: int = 0,
+    defer: bool = False,
     **model_kwargs: Any,
 ) -> nn.Module:
     """Load a local Hugging Face safetensors checkpoint into a ZeRO model, streaming: each rank reads only the rows
@@ -624,6 +604,8 @@ def load_pretrained(
         block_types: blocks to shard separately (see `apply_zero`).
         stats: a `LoadStats` to fill (bytes read, the most full-precision bytes held at once, seconds).
         seed: seed of the parameters the checkpoint lacks (a new head), the same on every rank.
+        defer: return the empty (meta-device) model; it loads itself when ZeRO setup allocates it (`initialize`,
+            the Lightning strategy after `configure_model`, Accelerate's `prepare`): each rank its own shards.
         model_kwargs: config overrides for `AutoConfig.from_pretrained` (e.g. `num_labels=1`).
 
     Raises:
@@ -632,11 +614,7 @@ def load_pretrained(
             raised on every rank before anything is allocated or any collective runs.
         ZeroSetupError: as `apply_zero`.
     """
-    import time
-
     path = Path(path)
-    stats = stats if stats is not None else LoadStats()
-    ckpt = SafetensorsCheckpoint(path)
     plan = mesh_ = None
     if config is not None:
         mesh_ = data_parallel_mesh(mesh)
@@ -645,51 +623,70 @@ def load_pretrained(
     group_size = frozen_group_size or (plan.frozen_group_size if plan is not None else None)
     if fmt is not None and fmt not in _frozen.FROZEN_FORMATS:
         raise CheckpointLoadError(f"frozen_format {fmt!r} is not one of {', '.join(_frozen.FROZEN_FORMATS)}")
-
+    ckpt = SafetensorsCheckpoint(path)
     _, base, model = _build(path, model_class, dtype, peft_config, frozen, model_kwargs)
     base_keys = _checkpoint_keys(base, ckpt)
     held = _hold_real(model)
     sources = _check(model, base_keys, held, ckpt, _declared_dtype(path))
     if fmt is not None:
         _quantize_on_meta(model, fmt, group_size)
-
-    started = time.perf_counter()
-    filler = _Filler(ckpt, dtype, mesh_, stats)
-    sharded = plan is not None and plan.stage >= 2
-    device = mesh_device(mesh_) if mesh_ is not None else torch.device("cpu")
-    if sharded:
+    load = _PendingLoad(ckpt, sources, held, dtype, stats if stats is not None else LoadStats(), seed, mesh_)
+    model.__dict__[PENDING_LOAD] = load
+    if defer:
+        return model
+    if plan is None:
+        materialize_(model, device="cpu")
+    elif plan.stage >= 2:
         apply_plan(model, plan, mesh=mesh_, block_types=block_types, sync_module_states=False)
-    _materialize(model, device)
-    missing: list[str] = []
-    done: set[int] = set()
-    with torch.no_grad():
+        materialize_(model, device=mesh_device(mesh_))
+    else:
+        materialize_(model, device=mesh_device(mesh_))
+        apply_plan(model, plan, mesh=mesh_, block_types=block_types, sync_module_states=False)
+    return model
+
+
+class _PendingLoad:
+    """What `materialize_` calls on the allocated model: every parameter's rows read (and quantized) into it."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, sources: dict[str, str], held: dict[str, torch.Tensor],
+                 dtype: torch.dtype, stats: LoadStats, seed: int, mesh: Any) -> None:  # fmt: skip
+        self.ckpt, self.sources, self.held, self.dtype = ckpt, sources, held, dtype
+        self.stats, self.seed, self.mesh = stats, seed, mesh
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module) -> None:
+        import time
+
+        started = time.perf_counter()
+        mesh = self.mesh
+        if mesh is None and dist.is_available() and dist.is_initialized():
+            mesh = data_parallel_mesh()
+        filler = _Filler(self.ckpt, self.dtype, mesh, self.stats)
+        missing: list[str] = []
+        done: set[int] = set()
         for name, p in model.named_parameters():
             if id(p) in done:
                 continue
             done.add(id(p))
-            source = held.get(name, sources.get(name))
+            source = self.held.get(name, self.sources.get(name))
             if source is None:
                 missing.append(name)
-            elif sharded:
+            elif isinstance(p, DTensor):
                 filler.fill_sharded(p, source)
             else:
                 filler.fill_whole(p, source)
-    if missing:
-        _init_new(model, missing, seed)
-    if plan is not None and not sharded:
-        apply_plan(model, plan, mesh=mesh_, block_types=block_types, sync_module_states=False)
-    rank = mesh_.get_local_rank() if mesh_ is not None else 0
-    if rank == 0:
-        logger.info(
-            "loaded %s (%.1f MB of weights) in %.1f s: read %.1f MB on rank 0, quantized %s in %.1f s",
-            path,
-            ckpt.nbytes() / 2**20,
-            time.perf_counter() - started,
-            stats.read_bytes / 2**20,
-            fmt or "nothing",
-            stats.quantize_s,
-        )
-    return model
+        if missing:
+            _init_new(model, missing, self.seed)
+        self.held = {}
+        if mesh is None or mesh.get_local_rank() == 0:
+            logger.info(
+                "loaded %s (%.1f MB of weights) in %.1f s: read %.1f MB on this rank, quantized in %.1f s",
+                self.ckpt.path,
+                self.ckpt.nbytes() / 2**20,
+                time.perf_counter() - started,
+                self.stats.read_bytes / 2**20,
+                self.stats.quantize_s,
+            )
 
 
 def naive_load_bytes(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> int:
