@@ -248,7 +248,7 @@ class SafetensorsCheckpoint:
         e = self.entries[name]
         shape = e.shape or (1,)
         row_bytes = e.nbytes // shape[0] if shape[0] else 0
-        out = torch.empty((length, *shape[1:]), dtype=e.dtype)
+        out = torch.empty((length, *shape[1:]), dtype=e.dtype, device="cpu")
         buf = out.view(-1).view(torch.uint8) if out.numel() else None
         if buf is not None:
             with open(e.file, "rb", buffering=0) as f:
@@ -467,21 +467,50 @@ def _to_local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+def _lora_deltas(adapter: Path, ckpt: SafetensorsCheckpoint) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """Checkpoint tensor -> (A, B, scaling) of a saved peft LoRA adapter, to merge into the rows as they are read."""
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        weights = load_file(adapter / "adapter_model.safetensors")
+    except (OSError, ValueError) as e:
+        raise CheckpointLoadError(f"{adapter}: not a saved peft LoRA adapter ({str(e).splitlines()[0]})") from None
+    if config.get("peft_type") != "LORA" or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise CheckpointLoadError(f"{adapter}: only a plain LoRA adapter (one rank and alpha) can be merged as read")
+    r = config["r"]
+    scaling = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+    out = {}
+    for name, a in weights.items():
+        if ".lora_A." not in name:
+            continue
+        module = _base_name(name.split(".lora_A.")[0])
+        key = f"{module}.weight"
+        if key not in ckpt:
+            raise CheckpointLoadError(f"{adapter}: its {name} adapts {key}, which the checkpoint does not hold")
+        out[key] = (a, weights[name.replace(".lora_A.", ".lora_B.")], scaling)
+    return out
+
+
 class _Filler:
-    def __init__(self, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, mesh: Any, stats: LoadStats) -> None:
+    def __init__(self, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, mesh: Any, stats: LoadStats,
+                 merges: dict[str, tuple[torch.Tensor, torch.Tensor, float]] | None = None) -> None:  # fmt: skip
         self.ckpt, self.dtype, self.mesh, self.stats = ckpt, dtype, mesh, stats
+        self.merges = merges or {}
 
     def rows(self, source: str | torch.Tensor, start: int, length: int) -> torch.Tensor:
         # The checkpoint's rows in the load dtype (what from_pretrained(dtype=...) would hold), tracked.
         import time
 
         t0 = time.perf_counter()
-        if isinstance(source, torch.Tensor):
-            raw = source.reshape(-1, *source.shape[1:]) if source.dim() else source.reshape(1)
-            raw = raw[start : start + length]
-        else:
-            raw = self.ckpt.read_rows(source, start, length, self.stats)
+        if isinstance(source, torch.Tensor):  # peft's adapters: as peft made them (fp32 masters follow)
+            return (source if source.dim() else source.reshape(1))[start : start + length]
+        raw = self.ckpt.read_rows(source, start, length, self.stats)
         out = raw.to(self.dtype) if raw.is_floating_point() and raw.dtype != self.dtype else raw
+        if source in self.merges:
+            # peft's merge_and_unload, on these rows: W += (B @ A) * scaling, B's rows being W's rows.
+            a, b, scaling = self.merges[source]
+            out = out + (b[start : start + length].to(out.dtype) @ a.to(out.dtype)) * scaling
         if out is not raw and out.data_ptr() != raw.data_ptr():
             self.stats.track(out)
         self.stats.largest_tensor_bytes = max(
@@ -566,6 +595,7 @@ def load_pretrained(
     *,
     model_class: Any = None,
     peft_config: Any = None,
+    merge_adapter: str | os.PathLike | None = None,
     frozen: bool = False,
     frozen_format: str | None = None,
     frozen_group_size: int | None = None,
@@ -592,6 +622,9 @@ def load_pretrained(
             `AutoModelForSequenceClassification`, whose new head is initialised as `from_pretrained` does).
         peft_config: a peft config (`LoraConfig`, `PrefixTuningConfig`, ...) whose adapters are added to the empty
             base: a `PeftModel` is returned, its base frozen.
+        merge_adapter: a saved peft LoRA adapter (folder) merged into the weights as they are read, as
+            `PeftModel.from_pretrained(base, merge_adapter).merge_and_unload()` would (before `peft_config`'s new
+            adapters are added on top).
         frozen: freeze every parameter of the base (a reference model, inference); with `peft_config` the base is
             frozen anyway.
         frozen_format: "int8", "int4", "nf4" or "fp6" storage of the frozen Linear weights (the output head and
@@ -630,7 +663,8 @@ def load_pretrained(
     sources = _check(model, base_keys, held, ckpt, _declared_dtype(path))
     if fmt is not None:
         _quantize_on_meta(model, fmt, group_size)
-    load = _PendingLoad(ckpt, sources, held, dtype, stats if stats is not None else LoadStats(), seed, mesh_)
+    merges = _lora_deltas(Path(merge_adapter), ckpt) if merge_adapter is not None else {}
+    load = _PendingLoad(ckpt, sources, held, dtype, stats if stats is not None else LoadStats(), seed, mesh_, merges)
     model.__dict__[PENDING_LOAD] = load
     if defer:
         return model
@@ -649,9 +683,9 @@ class _PendingLoad:
     """What `materialize_` calls on the allocated model: every parameter's rows read (and quantized) into it."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, sources: dict[str, str], held: dict[str, torch.Tensor],
-                 dtype: torch.dtype, stats: LoadStats, seed: int, mesh: Any) -> None:  # fmt: skip
+                 dtype: torch.dtype, stats: LoadStats, seed: int, mesh: Any, merges: dict) -> None:  # fmt: skip
         self.ckpt, self.sources, self.held, self.dtype = ckpt, sources, held, dtype
-        self.stats, self.seed, self.mesh = stats, seed, mesh
+        self.stats, self.seed, self.mesh, self.merges = stats, seed, mesh, merges
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> None:
@@ -661,7 +695,7 @@ class _PendingLoad:
         mesh = self.mesh
         if mesh is None and dist.is_available() and dist.is_initialized():
             mesh = data_parallel_mesh()
-        filler = _Filler(self.ckpt, self.dtype, mesh, self.stats)
+        filler = _Filler(self.ckpt, self.dtype, mesh, self.stats, self.merges)
         missing: list[str] = []
         done: set[int] = set()
         for name, p in model.named_parameters():

@@ -87,15 +87,23 @@ def recipe(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def reloaded_lora(adapter: Path, monkeypatch: pytest.MonkeyPatch, model_path: str | None = None):
-    """The saved LoRA adapter on a fresh copy of the LoRA recipes' base (or `model_path`), stored INT4 as in
-    training; also the recipes' shared module, for their data and tokenizer."""
-    from peft import PeftModel
+    """The saved LoRA adapter on a fresh copy of the LoRA recipes' base (or `model_path`, streamed: its frozen
+    weights stored INT4 as they are read, never a whole full-precision copy), stored INT4 as in training; also the
+    recipes' shared module, for their data and tokenizer."""
+    from peft import LoraConfig, PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
 
     import ds_plugin
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     common = importlib.import_module("_recipe_common")
-    model = PeftModel.from_pretrained(common.lora_sft_model(0, model_path), adapter).eval()
+    if model_path:
+        model = ds_plugin.load_pretrained(model_path, peft_config=LoraConfig.from_pretrained(adapter),
+                                          frozen_format="int4")  # fmt: skip
+        result = set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
+        assert not result.unexpected_keys, result.unexpected_keys
+        return model.eval(), common
+    model = PeftModel.from_pretrained(common.lora_sft_model(0), adapter).eval()
     ds_plugin.quantize_frozen_(model, "int4")
     return model, common
 
