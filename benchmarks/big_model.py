@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ds_plugin._argparse import MAX_LOCAL_RANKS, ArgumentParser, count
+from ds_plugin._argparse import MAX_LOCAL_RANKS, MAX_TIMEOUT_S, ArgumentParser, count, number, output_dir, output_file
 from ds_plugin.launch import run_ranks
 
 __all__ = ["llama_tensors", "main", "write_checkpoint"]
@@ -342,14 +342,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=count(), default=64)
     parser.add_argument("--steps", type=count(2), default=2)
     parser.add_argument("--no-qlora", dest="qlora", action="store_false", help="skip bitsandbytes + peft QLoRA")
-    parser.add_argument("--adapter-dir", help="where the adapters are saved (default beside the cached checkpoint)")
-    parser.add_argument("--out", help="also write the JSON report to this file")
-    parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds for each run's processes")
+    parser.add_argument(
+        "--adapter-dir", type=output_dir, help="where the adapters are saved (default beside the cached checkpoint)"
+    )
+    parser.add_argument("--out", type=output_file, help="also write the JSON report to this file")
+    parser.add_argument(
+        "--timeout", type=number(0, MAX_TIMEOUT_S, above_minimum=True), default=6 * 3600.0,
+        help="seconds for each run's processes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.format = args.format or list(FORMATS)
     report = run(args)
     text = json.dumps(report, indent=2)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     if not args.json:
         for r in report["runs"]:
