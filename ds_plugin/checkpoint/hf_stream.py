@@ -268,12 +268,11 @@ class SafetensorsCheckpoint:
 _PEFT_PARTS = re.compile(r"\.(base_layer|original_module)(?=\.)|\.modules_to_save\.[^.]+(?=\.)")
 
 
-def _base_name(name: str) -> str:
-    # peft's names -> the base model's: the PeftModel prefix, LoRA's base_layer, modules_to_save's copies.
-    for prefix in ("base_model.model.", "base_model."):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-            break
+def _base_name(name: str, prefix: str = "base_model.model") -> str:
+    # peft's names -> the base model's: where peft holds it (`prefix`: "base_model.model" under a tuner such as
+    # LoRA, "base_model" for prompt learning), LoRA's base_layer, modules_to_save's copies.
+    if prefix and name.startswith(f"{prefix}."):
+        name = name[len(prefix) + 1 :]
     return _PEFT_PARTS.sub("", name)
 
 
@@ -282,7 +281,7 @@ def _checkpoint_keys(base: nn.Module, ckpt: SafetensorsCheckpoint) -> dict[str, 
     prefix = getattr(base, "base_model_prefix", "") or ""
     aliases: dict[int, list[str]] = {}
     for name, p in base.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(_base_name(name))
+        aliases.setdefault(id(p), []).append(_base_name(name, ""))
     out: dict[str, str] = {}
     for names in aliases.values():
         found = None
@@ -420,23 +419,29 @@ def _declared_dtype(path: Path) -> str | None:
 
 
 def _check(
-    model: nn.Module, base_keys: dict[str, str], held: dict, ckpt: SafetensorsCheckpoint, declared_dtype: str | None
+    model: nn.Module,
+    base: nn.Module,
+    base_keys: dict[str, str],
+    held: dict,
+    ckpt: SafetensorsCheckpoint,
+    declared_dtype: str | None,
 ) -> dict[str, str]:
     """Parameter name -> checkpoint tensor for every parameter not held in memory; every problem is one line."""
     declared = getattr(torch, declared_dtype, None) if declared_dtype else None
     sources: dict[str, str] = {}
+    where = next((name for name, m in model.named_modules() if m is base), "")
     added = peft_adapter_modules(model)
     adapters = {id(p) for m in model.modules() if id(m) in added for p in m.parameters()}
     for name, p in model.named_parameters():
         if name in held:
             continue
-        key = base_keys.get(_base_name(name))
+        key = base_keys.get(_base_name(name, where))
         if key is None:
             if p.requires_grad or id(p) in adapters:
                 continue  # a new head (a reward model's score): initialised, as from_pretrained does
             raise CheckpointLoadError(
-                f"{ckpt.path}: no tensor {_base_name(name)} in any file; the checkpoint is incomplete or is not this "
-                "model's"
+                f"{ckpt.path}: no tensor {_base_name(name, where)} in any file; the checkpoint is incomplete or is "
+                "not this model's"
             )
         e = ckpt.entries[key]
         if tuple(e.shape) != tuple(p.shape):
@@ -660,7 +665,7 @@ def load_pretrained(
     _, base, model = _build(path, model_class, dtype, peft_config, frozen, model_kwargs)
     base_keys = _checkpoint_keys(base, ckpt)
     held = _hold_real(model)
-    sources = _check(model, base_keys, held, ckpt, _declared_dtype(path))
+    sources = _check(model, base, base_keys, held, ckpt, _declared_dtype(path))
     if fmt is not None:
         _quantize_on_meta(model, fmt, group_size)
     merges = _lora_deltas(Path(merge_adapter), ckpt) if merge_adapter is not None else {}
