@@ -298,6 +298,21 @@ def test_model_arg_errors(script, tmp_path, bert_dir, monkeypatch, capsys):
         assert "no q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj modules" in no_proj, no_proj
 
 
+@pytest.mark.parametrize("script", ["lora_sft.py", "accelerate_lora_sft.py", "rlhf.py"])
+def test_bad_checkpoint_fails_before_anything(script, tmp_path, monkeypatch, capsys):
+    # A checkpoint whose weights file was cut short: one line naming the file and the tensor, exit 2, before any
+    # process group starts or anything is written.
+    tiny_checkpoint(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 64)
+    out = tmp_path / "out"
+    err = fails_with_one_line(script, ["--smoke", "--model", str(tmp_path / "model"), "--out-dir", str(out)],
+                              monkeypatch, capsys)  # fmt: skip
+    assert f"--model {tmp_path / 'model'}: {weights}: tensor " in err and "truncated" in err, err
+    assert not out.exists(), sorted(out.rglob("*"))
+
+
 def tiny_checkpoint(path: Path) -> int:
     """A random tiny Llama saved with a tokenizer built here (byte-level, every byte one token, no merges, no pad
     token: the recipe pads with EOS); nothing is downloaded. Returns the parameter count."""
