@@ -306,6 +306,7 @@ def test_bad_checkpoint_fails_before_anything(script, tmp_path, monkeypatch, cap
     weights = tmp_path / "model" / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size - 64)
+    capsys.readouterr()  # save_pretrained's progress bar
     out = tmp_path / "out"
     err = fails_with_one_line(script, ["--smoke", "--model", str(tmp_path / "model"), "--out-dir", str(out)],
                               monkeypatch, capsys)  # fmt: skip
