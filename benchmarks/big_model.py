@@ -7,9 +7,9 @@
    `$BIG_MODEL_DIR` (default `benchmarks/results/.cache/`): tensor by tensor, each drawn, written and dropped, so
    the model is never built in memory (13.5 GB of disk at full size).
 2. Per format, N gloo ranks (one thread each) run `ds_plugin.load_pretrained` at ZeRO-3 with that frozen format and
-   peft LoRA r=16 on every projection (bf16 compute over fp32 LoRA masters), 2 AdamW steps at sequence length 64
-   (one sequence per rank), then `save_adapter`; the saved adapter file is read back and must equal the engine's
-   gathered LoRA weights, bit for bit.
+   peft LoRA r=16 on every projection (bf16 compute over fp32 LoRA masters; `host_memory_reuse` off, so freed host
+   memory goes back to the kernel), 2 AdamW steps at sequence length 64 (one sequence per rank), then
+   `save_adapter`; the saved adapter file is read back and must equal the engine's gathered LoRA weights, bit for bit.
 3. bitsandbytes + peft's own QLoRA on the same checkpoint in one process (`from_pretrained` with NF4
    `BitsAndBytesConfig`, N threads), where it runs on a CPU: its peak RSS and step time, or the one-line reason.
 
@@ -159,8 +159,11 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
     set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is not None and world > 1:
         set_timeout(datetime.timedelta(minutes=10))
+    # host_memory_reuse off: glibc then returns freed blocks (a dequantized weight, the gathered root) to the kernel,
+    # so the peak RSS measured is what is live, not the heap's high-water mark with its fragments (at 2 layers of
+    # this shape it kept 0.5-1.5 GB more per rank); steps fault their buffers in again, a little slower.
     config = {"zero_optimization": {"stage": 3, "frozen_format": fmt}, "bf16": {"enabled": True},
-              "gradient_clipping": 1.0}  # fmt: skip
+              "gradient_clipping": 1.0, "host_memory_reuse": False}  # fmt: skip
     import peft  # noqa: F401  (imported before the clock starts: load_s is the load, not the imports)
     from transformers import LlamaForCausalLM  # noqa: F401
 
@@ -322,6 +325,7 @@ def run(args: Any) -> dict:
         "checkpoint_written_s": round(written_s, 1),
         "seq": args.seq,
         "steps": args.steps,
+        "host_memory_reuse": False,
         "runs": runs,
         "bnb_qlora": qlora,
     }
