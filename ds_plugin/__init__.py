@@ -3,7 +3,8 @@
 Public verbs: `load_config` (a preset name, a DeepSpeed JSON/YAML path, or a dict), `initialize` (model +
 config -> ZeRO engine), `init_distributed` (DeepSpeed's: the process group, a 10-minute collective
 timeout), `apply_zero`, `quantize_frozen_` (frozen Linear weights stored as INT8 / INT4 / NF4),
-`save_adapter` (a peft adapter trained at any ZeRO stage, saved whole), and the config types. Importing the
+`save_adapter` (a peft adapter trained at any ZeRO stage, saved whole), `load_pretrained` (a Hugging Face
+safetensors checkpoint streamed into a ZeRO model, each rank reading only its rows), and the config types. Importing the
 package also makes the Lightning strategy names (zero0..zero3, zero3_offload, zeropp) available: at once when
 Lightning is already imported, else the moment it is.
 """
@@ -47,6 +48,10 @@ def __getattr__(name: str):
         from ds_plugin.peft_adapters import save_adapter
 
         return save_adapter
+    if name == "load_pretrained":
+        from ds_plugin.checkpoint.hf_stream import load_pretrained
+
+        return load_pretrained
     if name == "quantize_frozen_":
         from ds_plugin.quant.frozen.quantize import quantize_frozen_
 

@@ -31,6 +31,7 @@ BENCHMARKS = {
     "kernels": "benchmarks.kernels",
     "kernel-resources": "benchmarks.kernel_resources",
     "quantize": "benchmarks.quantize",
+    "big-model": "benchmarks.big_model",
 }
 NO_CHECKOUT = (
     "needs the repository checkout (benchmarks/ is not installed): run it from a clone installed with "

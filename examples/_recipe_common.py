@@ -17,6 +17,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
+from ds_plugin.checkpoint.hf_stream import CheckpointLoadError, load_pretrained
+
 EXPECTED = "expected a local transformers checkpoint: a directory with config.json, the weights and the tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -97,6 +99,10 @@ def check_model(
         )
     if reward_model and config.get("model_type") not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
         fail(path, f"unsupported architecture {found}: the reward model needs a sequence-classification class for it")
+    try:  # every tensor there, whole, of the shape and dtype config.json gives: headers only, nothing is read
+        load_pretrained(path, frozen=True, defer=True)
+    except CheckpointLoadError as e:
+        fail(path, str(e))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -146,12 +152,22 @@ def save_figure(fig, path: Path) -> None:
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def lora_sft_model(lora_rank: int, model_path: str | None = None):
-    """The same random tiny Llama on every call (fixed seed), or --model's checkpoint, with LoRA on every projection
-    (none for lora_rank=0)."""
+def lora_config(lora_rank: int) -> LoraConfig:
+    """LoRA on every projection, alpha = 2 x rank."""
+    return LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=LORA_TARGETS)
+
+
+def lora_sft_model(lora_rank: int, model_path: str | None = None, frozen_format: str | None = None):
+    """The same random tiny Llama on every call (fixed seed), with LoRA on every projection (none for lora_rank=0).
+
+    With --model's checkpoint: the empty model, streamed (`ds_plugin.load_pretrained(..., defer=True)`): ZeRO setup
+    (the Lightning strategy, Accelerate's prepare) allocates each rank's shards and reads only their rows into them,
+    the frozen Linear weights stored as `frozen_format` as they are read. No rank ever holds the whole model."""
     torch.manual_seed(0)
     if model_path:
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+        peft_config = lora_config(lora_rank) if lora_rank else None
+        return load_pretrained(model_path, peft_config=peft_config, frozen=lora_rank == 0,
+                               frozen_format=frozen_format, defer=True)  # fmt: skip
     else:
         # initializer_range 0.05, not 0.02: the head and final norm stay frozen, and a random head that small caps
         # every logit near 2.5, so the loss could not fall below ~2.5 nats however right the answers are.
@@ -161,7 +177,7 @@ def lora_sft_model(lora_rank: int, model_path: str | None = None):
         base = LlamaForCausalLM(config)
     if lora_rank == 0:
         return base
-    return get_peft_model(base, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=LORA_TARGETS))
+    return get_peft_model(base, lora_config(lora_rank))
 
 
 # -- the LoRA SFT recipes' data and curves --------------------------------------------------------------------------

@@ -107,9 +107,14 @@ def main() -> None:
     accelerator = Accelerator(zero_plugin=plugin, mixed_precision=precision, cpu=not torch.cuda.is_available())
     set_seed(0)
     held_out = arithmetic_rows("test")
-    model = lora_sft_model(args.lora_rank, args.model)
-    # Stored INT4 before prepare, whatever the config says; the engine shards the codes under ZeRO-3.
-    ds_plugin.quantize_frozen_(model, args.frozen_format)
+    if args.model:
+        # Streamed: an empty model whose rows prepare reads into each process's shards, frozen weights stored INT4 as
+        # they are read; no process ever holds the whole checkpoint.
+        model = lora_sft_model(args.lora_rank, args.model, args.frozen_format)
+    else:
+        model = lora_sft_model(args.lora_rank)
+        # Stored INT4 before prepare, whatever the config says; the engine shards the codes under ZeRO-3.
+        ds_plugin.quantize_frozen_(model, args.frozen_format)
     train = SftExamples(arithmetic_rows("train"), args.steps * args.micro_batch * accelerator.num_processes, tok)
     train_dl = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)

@@ -9,7 +9,8 @@ are prepended to every attention layer (peft's `PrefixTuningConfig`, `num_virtua
 produced by a two-layer MLP (`--prefix-projection`); the GLM itself (`GlmForCausalLM`, native in transformers) is
 frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl. By default
 the GLM is a tiny random one built from a config and the text is read as bytes (nothing is downloaded);
-`--model PATH` loads a local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM) and its tokenizer instead. Compute
+`--model PATH` streams a local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM; each rank reads only the rows
+it keeps) and uses its tokenizer instead. Compute
 is bf16 on GPUs and on CPUs with bf16 units, else fp32 (a CPU without them runs bf16 matmuls ~8x slower). At the
 end the prefix is saved with `ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto
 the base.
@@ -39,12 +40,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # transformers rename
 
 
 def build_base(model_path: str | None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM), or the same tiny random GLM on every call."""
-    if model_path:
-        from transformers import AutoModelForCausalLM
-
-        # Frozen: stored in the compute dtype. Offline: a local checkpoint only, never the hub.
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+    """The same tiny random GLM on every call (`--model` is streamed: see `streamed_model`)."""
     from transformers import GlmConfig, GlmForCausalLM
 
     torch.manual_seed(0)
@@ -54,6 +50,24 @@ def build_base(model_path: str | None, dtype: torch.dtype = torch.float32) -> to
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                        initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     return GlmForCausalLM(config)
+
+
+def prefix_config(hidden_size: int, args) -> PrefixTuningConfig:
+    # ChatGLM's PrefixEncoder: an embedding of pre_seq_len rows, each the keys and values of every layer; with the
+    # projection, a smaller embedding through Linear(hidden) -> tanh -> Linear(layers * 2 * kv width).
+    return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.pre_seq_len,
+                              prefix_projection=args.prefix_projection, encoder_hidden_size=hidden_size)  # fmt: skip
+
+
+def streamed_model(args) -> torch.nn.Module:
+    """`--model`'s GLM with the prefix encoder, empty: `initialize` allocates each rank's shards and reads only their
+    rows (frozen weights in the compute dtype, or quantized as they are read); no rank holds the whole checkpoint."""
+    from transformers import AutoConfig
+
+    hidden = AutoConfig.from_pretrained(args.model, local_files_only=True).hidden_size
+    fmt = None if args.frozen_format == "none" else args.frozen_format
+    return ds_plugin.load_pretrained(args.model, peft_config=prefix_config(hidden, args), frozen_format=fmt,
+                                     dtype=DTYPES[args.precision], defer=True)  # fmt: skip
 
 
 def encode_row(tok, row: dict) -> tuple[list[int], list[int]]:
@@ -155,22 +169,21 @@ def main() -> None:
     train, held_out = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "test"]
     samples = [r["content"] for r in held_out[:3]]
 
-    base = build_base(args.model, DTYPES[args.precision])
-    # ChatGLM's PrefixEncoder: an embedding of pre_seq_len rows, each the keys and values of every layer; with the
-    # projection, a smaller embedding through Linear(hidden) -> tanh -> Linear(layers * 2 * kv width).
-    peft_config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=args.pre_seq_len,
-                                     prefix_projection=args.prefix_projection,
-                                     encoder_hidden_size=base.config.hidden_size)  # fmt: skip
-    model = get_peft_model(base, peft_config).to(device)
+    if args.model:
+        model = streamed_model(args)
+    else:
+        base = build_base(None, DTYPES[args.precision])
+        model = get_peft_model(base, prefix_config(base.config.hidden_size, args)).to(device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    before_text = [generate(model.eval(), tok, s, device) for s in samples] if rank == 0 else []  # plain model: local
     # bf16 compute over fp32 masters of the prefix encoder; the frozen GLM is stored bf16 (or quantized) and
     # sharded. Only the prefix encoder gets a master copy, gradients and Adam state.
     config = {"zero_optimization": {"stage": args.stage, "frozen_format": args.frozen_format},
               "bf16": {"enabled": args.precision == "bf16"}, "gradient_clipping": 1.0}  # fmt: skip
     engine = ds_plugin.initialize(model, config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1 - s / args.steps)  # ChatGLM's decay
+    # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 prints them.
+    before_text = [generate(engine.eval(), tok, s, device) for s in samples]
 
     evals = [(0, *held_out_loss(engine, tok, held_out, device))]
     gen = torch.Generator().manual_seed(1)

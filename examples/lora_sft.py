@@ -69,13 +69,21 @@ def greedy(model: torch.nn.Module, tok, prompts: list[str], new_tokens: int = 3)
 
 
 class LoRASFT(pl.LightningModule):
-    def __init__(self, lora_rank: int, lr: float, steps: int, held_out: list[dict], tok, model_path: str | None):
+    def __init__(self, lora_rank: int, lr: float, steps: int, held_out: list[dict], tok, model_path: str | None,
+                 frozen_format: str) -> None:  # fmt: skip
         super().__init__()
-        self.model = lora_sft_model(lora_rank, model_path)
+        self.model = None if model_path else lora_sft_model(lora_rank)  # --model: built in configure_model
+        self.lora_rank, self.model_path, self.frozen_format = lora_rank, model_path, frozen_format
         self.lr, self.steps, self.held_out, self.tok = lr, steps, held_out, tok
         self.losses: list[torch.Tensor] = []
         self.history: list[tuple[int, float]] = []  # (step, held-out exact match)
         self.predictions: dict[int, str] = {}
+
+    def configure_model(self) -> None:
+        # --model streams: the empty model is built here; the strategy then allocates each rank's shards and reads
+        # only their rows from the checkpoint, quantizing the frozen weights as they come (never a whole copy).
+        if self.model is None:
+            self.model = lora_sft_model(self.lora_rank, self.model_path, self.frozen_format)
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         ids, mask, labels = batch
@@ -157,7 +165,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[TQDMProgressBar(refresh_rate=10)],
     )
-    module = LoRASFT(args.lora_rank, args.lr, args.steps, held_out, tok, args.model)
+    module = LoRASFT(args.lora_rank, args.lr, args.steps, held_out, tok, args.model, args.frozen_format)
     train_loader = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
     # Each validation batch is a list of held-out indices; validation_step builds its own prompts from them.
     val_loader = DataLoader(range(len(held_out)), batch_size=25, collate_fn=list)

@@ -9,7 +9,8 @@
 3. DPO (Direct Preference Optimization; no PPO rollouts, critic or value head): a fresh LoRA on the SFT model against
    a frozen reference copy, each stored INT8 and sharded by its own engine. Signals: held-out preference accuracy and
    margin, and the reward model's mean score of answers sampled for held-out questions.
-Text is read as bytes; `--model PATH` uses a local causal-LM checkpoint and its tokenizer for every model instead.
+Text is read as bytes; `--model PATH` uses a local causal-LM checkpoint and its tokenizer for every model instead,
+streamed (`ds_plugin.load_pretrained`): each rank reads only the rows it keeps.
 `--step` runs one step alone, reading earlier steps' output from --out-dir.
 """
 
@@ -48,12 +49,15 @@ def rows(name: str, split: str, share: bool = False) -> list[dict]:
     return found[dist.get_rank() :: dist.get_world_size()] if share else found
 
 
-def llama(auto, hidden: int, layers: int, path: str | None) -> torch.nn.Module:
-    """An `auto` model (causal LM, or reward model): the same random Llama on every call, or --model's checkpoint."""
+def llama(auto, hidden: int, layers: int, path: str | None, **streamed) -> torch.nn.Module:
+    """An `auto` model (causal LM, or reward model): the same random Llama on every call, or --model's checkpoint,
+    streamed: the empty model `initialize` fills, each rank reading only the rows it keeps (`streamed`: the peft
+    adapter to add, one to merge as the rows are read, the frozen format, see `ds_plugin.load_pretrained`)."""
     torch.manual_seed(0)
     if path:  # the reward model scores the last token before the padding: it must know the tokenizer's pad id
-        return auto.from_pretrained(path, num_labels=1, pad_token_id=TOK.pad_token_id, dtype=torch.float32,
-                                    local_files_only=True)  # fmt: skip
+        kwargs = {"num_labels": 1} if auto is AutoModelForSequenceClassification else {}
+        return ds_plugin.load_pretrained(path, model_class=auto, pad_token_id=TOK.pad_token_id, defer=True,
+                                         **streamed, **kwargs)  # fmt: skip
     config = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
                          initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
@@ -129,7 +133,10 @@ def zero3(frozen_format: str = "none") -> dict:
 def step_sft(args) -> dict:
     """LoRA on the INT4 actor base, loss on the response tokens only."""
     train_rows, mine = rows("rlhf_sft.jsonl", "train"), rows("rlhf_sft.jsonl", "test", share=True)
-    actor = get_peft_model(llama(AutoModelForCausalLM, 128, 4, args.model), LORA)
+    if args.model:
+        actor = llama(AutoModelForCausalLM, 128, 4, args.model, peft_config=LORA, frozen_format="int4")
+    else:
+        actor = get_peft_model(llama(AutoModelForCausalLM, 128, 4, None), LORA)
     engine = ds_plugin.initialize(actor, zero3("int4"), optimizer=partial(AdamW, lr=2e-3))
 
     def loss_on(batch: list[dict]) -> torch.Tensor:
@@ -179,14 +186,25 @@ def step_dpo(args) -> dict:
 
     # The SFT model merged into one set of weights twice over: the actor's frozen base (a fresh LoRA trains on it)
     # and the reference, both stored INT8 and sharded, the reference with no optimizer. At step 0 they are equal.
+    # --model streams each of them: the SFT adapter is merged into the rows as they are read, never a whole copy.
     def sft_model() -> torch.nn.Module:
-        base = llama(AutoModelForCausalLM, 128, 4, args.model)
+        base = llama(AutoModelForCausalLM, 128, 4, None)
         return PeftModel.from_pretrained(base, args.out_dir / "sft_adapter").merge_and_unload()
 
-    actor = get_peft_model(sft_model(), LORA)
+    sft = {"merge_adapter": args.out_dir / "sft_adapter", "frozen_format": "int8"}
+    if args.model:
+        actor = llama(AutoModelForCausalLM, 128, 4, args.model, peft_config=LORA, **sft)
+        frozen_sft = llama(AutoModelForCausalLM, 128, 4, args.model, frozen=True, **sft)
+        scorer = ds_plugin.load_pretrained(
+            args.out_dir / "reward_model", model_class=AutoModelForSequenceClassification, frozen=True, defer=True
+        )
+    else:
+        actor = get_peft_model(sft_model(), LORA)
+        frozen_sft = sft_model().requires_grad_(False)
+        scorer = AutoModelForSequenceClassification.from_pretrained(args.out_dir / "reward_model")
+        scorer.requires_grad_(False)
     policy = ds_plugin.initialize(actor, zero3("int8"), optimizer=partial(AdamW, lr=args.dpo_lr))
-    reference = ds_plugin.initialize(sft_model().requires_grad_(False), zero3("int8"))
-    scorer = AutoModelForSequenceClassification.from_pretrained(args.out_dir / "reward_model").requires_grad_(False)
+    reference = ds_plugin.initialize(frozen_sft, zero3("int8"))
     reward_model = ds_plugin.initialize(scorer, zero3())
 
     def log_ratios(batch: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,7 @@ CHAOS = settings(max_examples=25, deadline=None)
 
 # The function each benchmark's `main` calls to do the work.
 WORK = {
+    "big-model": "run",
     "comm": "run",
     "fp8": "benchmark",
     "kernels": "benchmark",
@@ -201,6 +202,21 @@ WEEK = 7 * 24 * 3600.0
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 
 BENCH_FLAGS: dict[str, Spec] = {
+    "big-model": {
+        "--format": (["int4", "nf4"], bad_choice(("int4", "nf4"))),
+        "--layers": (["1"], bad_int()),
+        "--hidden": (["256"], bad_int()),
+        "--intermediate": (["688"], bad_int()),
+        "--vocab": (["1000"], bad_int()),
+        "--heads": (["4"], bad_int()),
+        "--world-size": (["2"], bad_int(1, 1024)),
+        "--device": (["cpu", "cuda"], bad_choice(("cpu", "cuda"))),
+        "--seq": (["64"], bad_int()),
+        "--steps": (["2"], bad_int(2)),
+        "--adapter-dir": (["new_adapters"], bad_output_dir),
+        "--out": (["new/big.json"], bad_output),
+        "--timeout": (["600"], bad_float(0, WEEK, above=True)),
+    },
     "comm": {
         "--steps": (["1", "2"], bad_int()),
         "--n-layer": (["2"], bad_int()),
@@ -286,7 +302,12 @@ BENCH_FLAGS: dict[str, Spec] = {
         "--png": (["new/zero.png"], bad_output),
     },
 }
-BENCH_SWITCHES = {"comm": ["--json"], "fp8": ["--json"], "kernels": ["--json", "--no-gemlite"]}
+BENCH_SWITCHES = {
+    "big-model": ["--json", "--no-qlora"],
+    "comm": ["--json"],
+    "fp8": ["--json"],
+    "kernels": ["--json", "--no-gemlite"],
+}
 BENCH_SWITCHES |= {"lora-memory": ["--json", "--no-isolate"], "peers": ["--json"], "slow-link": ["--json"]}
 BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"], "kernel-resources": ["--json"], "quantize": ["--json"]}
 assert set(BENCH_FLAGS) == set(BENCHMARKS) == set(BENCH_SWITCHES)

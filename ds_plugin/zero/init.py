@@ -39,7 +39,11 @@ from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import shard_rows
 from ds_plugin.zero.wrap import BlockTypes
 
-__all__ = ["init_sharded", "materialize_", "meta_init"]
+__all__ = ["PENDING_LOAD", "init_sharded", "materialize_", "meta_init"]
+
+PENDING_LOAD = "_ds_plugin_pending_load"
+"""A module whose `__dict__` holds a callable under this name is filled by it, not initialised, when `materialize_`
+allocates it (`ds_plugin.load_pretrained(..., defer=True)`: the checkpoint's rows, read shard by shard)."""
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +151,11 @@ def _zero_padding_rows(model: nn.Module) -> None:
                 weight.to_local()[row - start].zero_()
 
 
-def _default_init(model: nn.Module) -> None:
+def _default_init(model: nn.Module, skip: frozenset[int] = frozenset()) -> None:
     # Each outermost transformers model, the root or one a wrapper holds (a LightningModule, a peft model),
-    # initialises as its post_init would; every module outside them resets itself.
-    inside: set[int] = set()
+    # initialises as its post_init would; every module outside them resets itself. `skip`: modules a checkpoint
+    # filled.
+    inside: set[int] = set(skip)
     for module in model.modules():  # outer before inner
         if id(module) not in inside and _is_hf_model(module):
             _hf_init(module, module)
@@ -217,11 +222,21 @@ def materialize_(
         for name, b in model.named_buffers():
             if name in saved:
                 b.copy_(saved[name])
+    # Modules a checkpoint fills (`load_pretrained(..., defer=True)`) are read, not initialised.
+    pending = [(m, m.__dict__.pop(PENDING_LOAD)) for m in model.modules() if PENDING_LOAD in m.__dict__]
+    for module, load in pending:
+        load(module)
+    loaded = frozenset(id(x) for m, _ in pending for x in m.modules())
+    if init_fn is None and all(id(m) in loaded for m in model.modules() if next(m.parameters(False), None) is not None):
+        return 0
     devices = [device.index or 0] if device.type == "cuda" else []
     mode = _FullThenShard()
     with torch.random.fork_rng(devices=devices), torch.no_grad(), mode:
         torch.manual_seed(seed)
-        (init_fn or _default_init)(model)
+        if init_fn is not None:
+            init_fn(model)
+        else:
+            _default_init(model, loaded)
     return mode.peak_bytes
 
 

@@ -87,15 +87,23 @@ def recipe(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def reloaded_lora(adapter: Path, monkeypatch: pytest.MonkeyPatch, model_path: str | None = None):
-    """The saved LoRA adapter on a fresh copy of the LoRA recipes' base (or `model_path`), stored INT4 as in
-    training; also the recipes' shared module, for their data and tokenizer."""
-    from peft import PeftModel
+    """The saved LoRA adapter on a fresh copy of the LoRA recipes' base (or `model_path`, streamed: its frozen
+    weights stored INT4 as they are read, never a whole full-precision copy), stored INT4 as in training; also the
+    recipes' shared module, for their data and tokenizer."""
+    from peft import LoraConfig, PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
 
     import ds_plugin
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     common = importlib.import_module("_recipe_common")
-    model = PeftModel.from_pretrained(common.lora_sft_model(0, model_path), adapter).eval()
+    if model_path:
+        model = ds_plugin.load_pretrained(model_path, peft_config=LoraConfig.from_pretrained(adapter),
+                                          frozen_format="int4")  # fmt: skip
+        result = set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
+        assert not result.unexpected_keys, result.unexpected_keys
+        return model.eval(), common
+    model = PeftModel.from_pretrained(common.lora_sft_model(0), adapter).eval()
     ds_plugin.quantize_frozen_(model, "int4")
     return model, common
 
@@ -288,6 +296,22 @@ def test_model_arg_errors(script, tmp_path, bert_dir, monkeypatch, capsys):
         no_proj = fails(tmp_path / "neox")
         assert "unsupported architecture GPTNeoXForCausalLM" in no_proj, no_proj
         assert "no q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj modules" in no_proj, no_proj
+
+
+@pytest.mark.parametrize("script", ["lora_sft.py", "accelerate_lora_sft.py", "rlhf.py"])
+def test_bad_checkpoint_fails_before_anything(script, tmp_path, monkeypatch, capsys):
+    # A checkpoint whose weights file was cut short: one line naming the file and the tensor, exit 2, before any
+    # process group starts or anything is written.
+    tiny_checkpoint(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 64)
+    capsys.readouterr()  # save_pretrained's progress bar
+    out = tmp_path / "out"
+    err = fails_with_one_line(script, ["--smoke", "--model", str(tmp_path / "model"), "--out-dir", str(out)],
+                              monkeypatch, capsys)  # fmt: skip
+    assert f"--model {tmp_path / 'model'}: {weights}: tensor " in err and "truncated" in err, err
+    assert not out.exists(), sorted(out.rglob("*"))
 
 
 def tiny_checkpoint(path: Path) -> int:
