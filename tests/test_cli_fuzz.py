@@ -306,7 +306,7 @@ BENCH_SWITCHES = {
     "big-model": ["--json", "--no-qlora"],
     "comm": ["--json"],
     "fp8": ["--json"],
-    "kernels": ["--json", "--no-gemlite"],
+    "kernels": ["--json", "--no-gemlite", "--allow-fallback"],
 }
 BENCH_SWITCHES |= {"lora-memory": ["--json", "--no-isolate"], "peers": ["--json"], "slow-link": ["--json"]}
 BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"], "kernel-resources": ["--json"], "quantize": ["--json"]}
