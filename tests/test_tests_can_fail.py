@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from _break import NOOP_STEP
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes of CPU on 2 cores: the `long` tier
 
 ROOT = Path(__file__).parents[1]
 # node id -> the assertion message it must fail with (one 1-rank parity spawn and one 1-rank Lightning script).

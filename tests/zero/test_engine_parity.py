@@ -1,4 +1,4 @@
-"""Numerics of ZeRO stages 0-3 against plain DDP on gloo at world sizes 1, 2 and 4 (4, with hpZ, in the `long` tier).
+"""Numerics of ZeRO stages 0-3 against plain DDP on gloo at world sizes 1, 2 and 4 (1 and 4 in the `long` tier).
 
 One spawn per world size trains everything (the process start, not the steps, is what costs on two cores);
 the tests then check the recorded numbers:
@@ -143,8 +143,14 @@ def _clipping(rank: int, world: int, out: dict) -> None:
         out["clip", stage]["moved"] = _max_moved(engine.module, initial)
 
 
-# World 4 (hpZ's only world, the costliest spawn) is in the `long` tier; 1 and 2 run in every bare `pytest`.
-@pytest.fixture(scope="module", params=[1, 2, pytest.param(4, marks=pytest.mark.long)], ids=lambda w: f"world{w}")
+# World 2 runs in every bare `pytest`; 1 (no sharding) and 4 (hpZ's only world, the costliest spawn) in the `long`
+# tier.
+LONG = pytest.mark.long
+
+
+@pytest.fixture(
+    scope="module", params=[pytest.param(1, marks=LONG), 2, pytest.param(4, marks=LONG)], ids=lambda w: f"world{w}"
+)
 def parity(request) -> tuple[int, list[dict]]:
     world = request.param
     return world, run_ranks(_parity_worker, world, timeout=400)

@@ -10,7 +10,7 @@ import torch
 from _dist import run_ranks
 from _tiny import batch, full_params, gpt2, make_optimizer, quiet, zero_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes of CPU on 2 cores: the `long` tier
 
 STEPS = 20
 INJECT = {5: math.inf, 11: math.nan}  # step -> value written into one gradient element on rank 0 only
