@@ -123,7 +123,7 @@ main() {  # the whole script in one function: bash parses it before running, so 
   elif [ "$mode" = dry-run ]; then
     skip big_model "7B checkpoint not written on CPU dry run"
   else
-    step big_model 50 "$py" -m benchmarks.big_model --json --device cuda --world-size 1 --format int4
+    step big_model 50 "$py" -m benchmarks.big_model --json --device cuda --world-size 1 --format int4 --no-qlora
   fi
 
   report_rc=0
