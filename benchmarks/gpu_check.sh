@@ -13,7 +13,8 @@
 #   fp8 35            `ds-plugin bench fp8 --json --hidden 4096 --steps 20`: FP8 training steps vs bf16
 #   train 110         benchmarks/gpu_train.py: the engine (ZeRO-3 on FSDP2, NCCL, world size 1) training LoRA on a
 #                     1.1B Llama with its frozen base stored bf16, int8, int4, nf4 and fp6
-#   big_model 50      benchmarks/big_model.py (issue 15/19): streaming load of a 7B-shaped checkpoint, INT4 base
+#   big_model 50      benchmarks/big_model.py (issue 15/19): streaming load of a Llama-2-7B-wide checkpoint cut to 8
+#                     of its 32 layers (1.9B parameters: writing all 13.5 GB would not fit the limit), INT4 base
 # The limits add up to 470 s, so the whole run stays under 8 minutes even when every step runs to its limit
 # (`timeout -k 10`). The limits are estimates made without a GPU: a step past its limit fails the run; rerun it
 # alone with GPU_CHECK_STEPS=<step> GPU_CHECK_LIMIT_<step>=SECONDS. A dry run triples them (a 2-core CPU machine).
@@ -36,8 +37,8 @@
 # files live in a temporary folder. The JSON is rewritten after every step, so a run cut short keeps what finished.
 #
 # For tests and reruns: GPU_CHECK_STEPS=name,name runs only those steps (the others are recorded as not selected and
-# the report says the run is incomplete); GPU_CHECK_FAIL_STEP=name replaces that step's command with one that exits
-# 1 (the test of this script's failure path); GPU_CHECK_PYTHON is the interpreter (default python3).
+# the report says the run is incomplete); GPU_CHECK_FAIL_STEP=name,name replaces those steps' commands with one that
+# exits 1 (the test of this script's failure path); GPU_CHECK_PYTHON is the interpreter (default python3).
 set -uo pipefail
 
 main() {  # the whole script in one function: bash parses it before running, so editing the file mid-run is safe
@@ -73,12 +74,16 @@ main() {  # the whole script in one function: bash parses it before running, so 
     [ -z "${GPU_CHECK_STEPS:-}" ] || [[ ",$GPU_CHECK_STEPS," == *",$1,"* ]]
   }
 
+  fails() {  # fails NAME: whether GPU_CHECK_FAIL_STEP names it
+    [[ ",${GPU_CHECK_FAIL_STEP:-}," == *",$1,"* ]]
+  }
+
   merge() {  # rewrite gpu_check.json from what has finished so far
     "$py" -m benchmarks.gpu_report merge --work "$work" --out "$out" --mode "$mode" "$@" >> "$work/report.out" 2>&1
   }
 
   skip() {  # skip NAME REASON: record the step as skipped, with its reason
-    if [ "${GPU_CHECK_FAIL_STEP:-}" = "$1" ] && selected "$1"; then step "$1" 20 true; return; fi  # the hook: them too
+    if fails "$1" && selected "$1"; then step "$1" 20 true; return; fi  # the hook: them too
     printf '%s\tskip\t0\t0\t%s\n' "$1" "$2" >> "$work/steps.tsv"
     log "== $1: skipped: $2"
     merge
@@ -92,7 +97,7 @@ main() {  # the whole script in one function: bash parses it before running, so 
       skip "$name" "not selected (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)"
       return
     fi
-    [ "${GPU_CHECK_FAIL_STEP:-}" = "$name" ] && set -- "$py" -c "raise SystemExit('GPU_CHECK_FAIL_STEP=$name')"
+    fails "$name" && set -- "$py" -c "raise SystemExit('GPU_CHECK_FAIL_STEP=$name')"
     log "== $name (limit ${limit} s): $*"
     timeout -k 10 "$limit" "$@" > "$work/$name.stdout" 2> "$work/$name.stderr" || rc=$?
     if [ "$name" = gpu_tests ]; then cp "$work/$name.stdout" "$out/gpu_tests.log"; else cat "$work/$name.stdout" >> "$out/steps.log"; fi
@@ -123,7 +128,7 @@ main() {  # the whole script in one function: bash parses it before running, so 
   elif [ "$mode" = dry-run ]; then
     skip big_model "7B checkpoint not written on CPU dry run"
   else
-    step big_model 50 "$py" -m benchmarks.big_model --json --device cuda --world-size 1 --format int4 --no-qlora
+    step big_model 50 "$py" -m benchmarks.big_model --json --device cuda --world-size 1 --format int4 --layers 8 --no-qlora
   fi
 
   report_rc=0
