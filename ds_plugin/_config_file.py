@@ -34,7 +34,9 @@ def read_config_file(path: Path) -> Any:
         text = path.read_text()
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the name, or bytes that are not UTF-8
         reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{str(path)!r:.80}: cannot read the config ({reason})") from None
+        shown = repr(str(path))  # a very long path keeps its start and its file name
+        shown = shown if len(shown) <= 100 else f"{shown[:30]}...{shown[-67:]}"
+        raise ConfigError(f"{shown}: cannot read the config ({reason})") from None
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
             return yaml.load(text, Loader=_yaml_loader())

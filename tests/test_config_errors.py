@@ -119,6 +119,11 @@ def test_json_that_is_not_an_object(tmp_path, capsys):
 def test_missing_file(tmp_path, capsys):
     assert main(["check-config", str(tmp_path / "nope.json")]) == 2
     assert "nope.json" in capsys.readouterr().err
+    # A long path is shortened in its middle: the file's name stays in the one line.
+    deep = tmp_path / ("d" * 150) / "nope.json"
+    assert main(["check-config", str(deep)]) == 2
+    err = capsys.readouterr().err
+    assert "nope.json': cannot read the config" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_process_prints_no_traceback(tmp_path):

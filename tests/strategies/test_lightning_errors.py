@@ -177,16 +177,6 @@ def test_without_registration_lightning_rejects_the_name() -> None:
     assert str(exc.value).startswith("You selected an invalid strategy name: `strategy='zeropp'`.")
 
 
-def test_import_ds_plugin_registers_the_names_in_a_fresh_process() -> None:
-    code = (
-        "import ds_plugin; from lightning.pytorch.strategies import StrategyRegistry as T; "
-        "from lightning.fabric.strategies import STRATEGY_REGISTRY as F; "
-        f"print(all(n in T and n in F for n in {NAMES!r}))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "True"
-
-
 def test_the_strategies_package_itself_imports_nothing_heavy() -> None:
     # Only ds_plugin/strategies/__init__.py runs (its parent is stubbed): the adapters load on first use.
     code = (
@@ -262,27 +252,43 @@ def test_loading_something_that_is_not_a_checkpoint(tmp_path) -> None:
     assert "is not a directory" in one_line(exc)
 
 
-@pytest.mark.parametrize(
-    "order",
-    [
-        "import ds_plugin; assert 'lightning' not in sys.modules, 'import ds_plugin imported lightning'",
-        "import lightning.pytorch; import ds_plugin",
-        # The adapter module itself is what loads Lightning here.
-        "import ds_plugin; ds_plugin.strategies.ZeroFabricStrategy",
-    ],
-    ids=["ds_plugin_first", "lightning_first", "adapter_first"],
-)
-def test_names_registered_in_any_import_order(order: str) -> None:
-    # `import ds_plugin` alone must not import Lightning (3 s per CLI call), yet `Trainer(strategy="zeropp")` and
-    # `Fabric(strategy="zero2")` must find the names whichever package is imported first.
-    code = (
-        f"import sys; {order}; "
-        "from lightning.pytorch import Trainer; from lightning.fabric import Fabric; "
-        "from ds_plugin.strategies import ZeroFabricStrategy, ZeroStrategy; "
-        "t = Trainer(strategy='zeropp', accelerator='cpu', devices=1, logger=False); "
-        "assert isinstance(t.strategy, ZeroStrategy), type(t.strategy); "
-        "f = Fabric(strategy='zero2', accelerator='cpu', devices=1); "
-        "assert isinstance(f.strategy, ZeroFabricStrategy), type(f.strategy); print('ok')"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+IMPORT_ORDERS = {
+    "ds_plugin_first": "import ds_plugin; assert 'lightning' not in sys.modules, 'import ds_plugin imported lightning'; "
+    "from lightning.pytorch.strategies import StrategyRegistry as T; "
+    "from lightning.fabric.strategies import STRATEGY_REGISTRY as F; "
+    f"missing = [n for n in {NAMES!r} if n not in T or n not in F]; assert not missing, missing",
+    "lightning_first": "import lightning.pytorch; import ds_plugin",
+    # The adapter module itself is what loads Lightning here.
+    "adapter_first": "import ds_plugin; ds_plugin.strategies.ZeroFabricStrategy",
+}
+
+
+def test_names_registered_in_any_import_order() -> None:
+    # `import ds_plugin` alone must not import Lightning (3 s per CLI call), yet every name must be in both registries
+    # and `Trainer(strategy="zeropp")` and `Fabric(strategy="zero2")` must find theirs whichever package is imported
+    # first. Each order needs a fresh interpreter; the three run side by side.
+    procs = {}
+    for name, order in IMPORT_ORDERS.items():
+        code = (
+            f"import sys; {order}; "
+            "from lightning.pytorch import Trainer; from lightning.fabric import Fabric; "
+            "from ds_plugin.strategies import ZeroFabricStrategy, ZeroStrategy; "
+            "t = Trainer(strategy='zeropp', accelerator='cpu', devices=1, logger=False); "
+            "assert isinstance(t.strategy, ZeroStrategy), type(t.strategy); "
+            "f = Fabric(strategy='zero2', accelerator='cpu', devices=1); "
+            "assert isinstance(f.strategy, ZeroFabricStrategy), type(f.strategy); print('ok')"
+        )
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    failed = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=180)
+            if proc.returncode != 0 or not out.strip().endswith("ok"):
+                failed[name] = err[-2000:]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    assert not failed, failed
