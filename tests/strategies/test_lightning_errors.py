@@ -253,7 +253,7 @@ def test_loading_something_that_is_not_a_checkpoint(tmp_path) -> None:
 
 
 IMPORT_ORDERS = {
-    "ds_plugin_first": "import ds_plugin; assert 'lightning' not in sys.modules, 'import ds_plugin imported lightning'; "
+    "ds_plugin_first": "import ds_plugin; assert 'lightning' not in sys.modules, 'ds_plugin imported lightning'; "
     "from lightning.pytorch.strategies import StrategyRegistry as T; "
     "from lightning.fabric.strategies import STRATEGY_REGISTRY as F; "
     f"missing = [n for n in {NAMES!r} if n not in T or n not in F]; assert not missing, missing",
