@@ -19,12 +19,18 @@ error there, never a silent fallback to the torch reference that the test would 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import _break
 import pytest
 
 _break.install()  # DS_PLUGIN_TEST_NOOP_STEP=1 makes every optimizer step a no-op (tests/_break.py)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n N`: the workers share the cores instead of each taking them all
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 TESTS = Path(__file__).resolve().parent
 # Folders under tests/ whose every test is `release`: the adapters, the Triton kernels, the checkpoints.
