@@ -12,6 +12,13 @@ freed heap memory back to the kernel, so later steps reuse pages that are alread
 resident memory then stays at its peak between steps instead of dropping back, as with a GPU caching allocator.
 It is process-wide and cannot be undone; the engine applies it when it trains on CPU, unless the config sets
 ``host_memory_reuse`` to false. On other C libraries it does nothing and says why.
+
+:func:`release_freed_host_memory` is the opposite, for runs whose limit is memory rather than page faults (a
+checkpoint bigger than one rank's share of RAM): ``host_memory_reuse: false`` on CPU. By default glibc raises its
+mmap threshold to the largest block freed so far (up to 32 MiB), after which blocks below it come from the heap,
+where freed ones stay resident between live ones: a ZeRO-3 step that gathers and frees each block's weights in turn
+then keeps gigabytes of dead heap. A fixed 1 MiB threshold maps every large block on its own and unmaps it when
+freed, so the resident memory is what is live.
 """
 
 from __future__ import annotations
@@ -20,17 +27,21 @@ import ctypes
 import logging
 import platform
 
-__all__ = ["host_memory_reuse_state", "reuse_freed_host_memory"]
+__all__ = ["host_memory_reuse_state", "release_freed_host_memory", "reuse_freed_host_memory"]
 
 logger = logging.getLogger(__name__)
 
 # mallopt parameters from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
+# release_freed_host_memory: blocks from 1 MiB up get their own mapping; a free heap top over 8 MiB is trimmed.
+_RELEASE_MMAP_THRESHOLD = 1 << 20
+_RELEASE_TRIM_THRESHOLD = 8 << 20
 # mallopt takes an int: the largest free heap top glibc then keeps instead of trimming is 2 GiB.
 _INT_MAX = 2**31 - 1
 
-_STATE: dict[str, object] = {"applied": False, "reason": "not requested"}
+_STATE: dict[str, object] = {"applied": False, "released": False, "reason": "not requested"}
 
 
 def reuse_freed_host_memory() -> str | None:
@@ -42,7 +53,10 @@ def reuse_freed_host_memory() -> str | None:
     """
     if _STATE["applied"]:
         return None
-    reason = _apply()
+    if _STATE["released"]:
+        return "release_freed_host_memory() is already in effect in this process"
+    # Trim threshold first: if the mmap limit were set alone, freed heap memory would still go back at every free.
+    reason = _mallopt(((_M_TRIM_THRESHOLD, _INT_MAX, "M_TRIM_THRESHOLD"), (_M_MMAP_MAX, 0, "M_MMAP_MAX")))
     _STATE.update(applied=reason is None, reason=reason or "applied")
     if reason is None:
         logger.info("host memory reuse on: glibc malloc keeps freed blocks (config host_memory_reuse: false to stop)")
@@ -51,12 +65,38 @@ def reuse_freed_host_memory() -> str | None:
     return reason
 
 
+def release_freed_host_memory() -> str | None:
+    """Make glibc malloc hand blocks of 1 MiB and more back to the kernel as soon as they are freed; idempotent.
+
+    Returns:
+        None when it is in effect, else the one-line reason it could not be applied (as
+        :func:`reuse_freed_host_memory`, or reuse already in effect). Never raises.
+    """
+    if _STATE["released"]:
+        return None
+    if _STATE["applied"]:
+        return "reuse_freed_host_memory() is already in effect in this process"
+    reason = _mallopt(
+        (
+            (_M_MMAP_THRESHOLD, _RELEASE_MMAP_THRESHOLD, "M_MMAP_THRESHOLD"),
+            (_M_TRIM_THRESHOLD, _RELEASE_TRIM_THRESHOLD, "M_TRIM_THRESHOLD"),
+        )
+    )
+    _STATE["released"] = reason is None
+    if reason is None:
+        _STATE["reason"] = "released: freed blocks of 1 MiB and up go back to the kernel"
+        logger.info("host memory release on: glibc malloc unmaps freed blocks of 1 MiB and more")
+    else:
+        logger.info("host memory release unavailable: %s", reason)
+    return reason
+
+
 def host_memory_reuse_state() -> dict[str, object]:
     """Whether :func:`reuse_freed_host_memory` is in effect in this process, and if not, why."""
     return dict(_STATE)
 
 
-def _apply() -> str | None:
+def _mallopt(settings: tuple[tuple[int, int, str], ...]) -> str | None:
     if platform.system() != "Linux":
         return f"needs glibc on Linux, this is {platform.system()}"
     libc_name, _ = platform.libc_ver()
@@ -68,8 +108,7 @@ def _apply() -> str | None:
         return f"mallopt is not reachable ({exc})"
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    # Trim threshold first: if the mmap limit were set alone, freed heap memory would still go back at every free.
-    for param, value, name in ((_M_TRIM_THRESHOLD, _INT_MAX, "M_TRIM_THRESHOLD"), (_M_MMAP_MAX, 0, "M_MMAP_MAX")):
+    for param, value, name in settings:
         if mallopt(param, value) != 1:
             return f"mallopt({name}, {value}) failed"
     return None

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
-from ds_plugin.runtime.host_memory import reuse_freed_host_memory
+from ds_plugin.runtime.host_memory import release_freed_host_memory, reuse_freed_host_memory
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
@@ -288,6 +288,8 @@ def apply_plan(
     _check_model(model, plan.stage)
     if plan.host_memory_reuse:
         reuse_freed_host_memory()
+    elif plan.device_type == "cpu":  # the config's false: memory is the limit, freed blocks go back at once
+        release_freed_host_memory()
     blocks = find_blocks(model, block_types) if plan.stage >= 2 or block_types is not None else []
     # A meta-device model has nothing to send: `materialize_` initialises it the same on every rank.
     if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):

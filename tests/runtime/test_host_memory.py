@@ -1,9 +1,11 @@
-"""`host_memory_reuse`: on CPU the engine makes glibc malloc keep freed memory, so steps stop page-faulting.
+"""`host_memory_reuse`: on CPU the engine makes glibc malloc keep freed memory, so steps stop page-faulting; set
+to false, it makes glibc hand freed blocks back at once, so resident memory is what is live.
 
-The setting is process-wide and permanent, so each case needs a process of its own: one spawn of four ranks plays
+The settings are process-wide and permanent, so each case needs a process of its own: one spawn of four ranks plays
 them all, each rank one case (they meet only in `apply_zero`'s collectives, which every rank calls). Rank 0 and 1
-count the page faults of a loop that allocates and frees a 64 MiB tensor, without and with it; ranks 0, 2 and 3
-report what `apply_zero` does with the config key off, absent and on.
+count the page faults of a loop that allocates and frees a 64 MiB tensor, without and with reuse; rank 0 also
+measures the dead heap a fragmenting pattern leaves resident before `apply_zero` (glibc's defaults) and after it
+(the config's false: release); ranks 0, 2 and 3 report what `apply_zero` does with the config key off, absent and on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from ds_plugin.launch import run_ranks
-from ds_plugin.runtime.host_memory import host_memory_reuse_state, reuse_freed_host_memory
+from ds_plugin.runtime.host_memory import host_memory_reuse_state, release_freed_host_memory, reuse_freed_host_memory
 from tests.zero._tiny import zero_config
 
 glibc_only = pytest.mark.skipif(
@@ -38,16 +40,41 @@ def _faults_per_round(reuse: bool, rounds: int = 30) -> dict:
     return {"applied": applied, "faults": faults}
 
 
+def _resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _dead_heap_mb() -> float:
+    """Resident MiB left after freeing 48 blocks of 4 MiB allocated between small blocks that stay alive."""
+    # Freeing a 16 MiB block raises glibc's default mmap threshold to 16 MiB: 4 MiB blocks then come from the heap.
+    torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+    before = _resident_mb()
+    big, small = [], []
+    for _ in range(48):
+        big.append(torch.empty(4 << 20, dtype=torch.uint8).fill_(1))
+        small.append(torch.empty(64 << 10, dtype=torch.uint8).fill_(1))
+    big.clear()
+    return _resident_mb() - before - 48 * 64 / 1024
+
+
 def _case(rank: int, world: int) -> dict:
     from ds_plugin.zero.apply import apply_zero
 
     count, reuse = _CASES[rank]
     out = {"faults": _faults_per_round(reuse=count == "reused")} if count else {}  # before apply_zero can apply it
+    if rank == 0:
+        out["dead_heap_mb_default"] = _dead_heap_mb()
     cfg = zero_config(3)
     if reuse is not None:
         cfg["host_memory_reuse"] = reuse
     apply_zero(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), cfg)
     out["state"] = host_memory_reuse_state()
+    if rank == 0:
+        out["dead_heap_mb_released"] = _dead_heap_mb()
+        out["release_again"] = release_freed_host_memory()
+    if rank == 3:
+        out["release_after_reuse"] = release_freed_host_memory()
     return out
 
 
@@ -75,7 +102,20 @@ def test_freed_blocks_are_reused_without_page_faults(cases: list[dict]):
 def test_engine_applies_it_on_cpu_unless_the_config_says_false(cases: list[dict]):
     off, default, on = (cases[rank]["state"] for rank in (0, 2, 3))
     assert default["applied"] is True and on["applied"] is True, (default, on)
-    assert off == {"applied": False, "reason": "not requested"}
+    assert default["released"] is False and on["released"] is False, (default, on)
+    assert off["applied"] is False and off["released"] is True, off
+    # Idempotent, and the two settings exclude each other (the first one asked for stays), each with its reason.
+    assert cases[0]["release_again"] is None
+    assert "reuse_freed_host_memory() is already in effect" in cases[3]["release_after_reuse"]
+
+
+@glibc_only
+def test_false_hands_freed_blocks_back_to_the_kernel(cases: list[dict]):
+    # glibc's defaults keep the freed 4 MiB blocks resident between the live small ones (192 MiB of them); with
+    # the config's false they were each their own mapping and went back when freed.
+    default, released = cases[0]["dead_heap_mb_default"], cases[0]["dead_heap_mb_released"]
+    assert default > 150, default
+    assert released < 20, released
 
 
 @pytest.mark.parametrize(("system", "libc", "says"), [("Darwin", ("", ""), "Darwin"), ("Linux", ("musl", ""), "musl")])
@@ -84,5 +124,5 @@ def test_other_platforms_get_a_reason_not_an_error(monkeypatch, system, libc, sa
 
     monkeypatch.setattr(host_memory.platform, "system", lambda: system)
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: libc)
-    reason = host_memory._apply()
+    reason = host_memory._mallopt(())
     assert reason is not None and says in reason and "glibc" in reason and "\n" not in reason
