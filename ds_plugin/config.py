@@ -325,7 +325,8 @@ class TrainingConfig:
     comms_logger: CommsLoggerConfig = option(doc="collective logging", factory=CommsLoggerConfig)
     host_memory_reuse: bool = option(
         True,
-        doc="ds_plugin: training on CPU, glibc malloc keeps freed memory for reuse instead of re-faulting it each step",
+        doc="ds_plugin: training on CPU, glibc malloc keeps freed memory for reuse instead of re-faulting it each "
+        "step; false: it unmaps freed blocks of 1 MiB and up at once (resident memory is what is live)",
     )
     non_finite_gradients: Literal["error", "skip"] = option(
         "error",
