@@ -1,9 +1,10 @@
 """Suite-wide pytest setup: the test-only sabotage switch, the `long` tier and the `release` set.
 
-`long` tests are minutes-long end-to-end runs (the recipes, convergence runs, killed ranks). A bare
-`python -m pytest -q` leaves them out so that the suite stays within 10 minutes on 2 cores; `python -m pytest -q -m
-long` runs them (CI runs both). Naming a file, directory or test on the command line runs what it names, `long` or
-not.
+`long` tests are minutes-long end-to-end runs (the recipes, convergence runs, killed ranks). A bare run (the
+README's `python -m pytest -q -n 2 --dist loadfile`) leaves them out so that the suite stays within 10 minutes on 2
+cores; `python -m pytest -q -m long` runs them (CI runs both). Naming a file, directory or test on the command line
+runs what it names, `long` or not. Under pytest-xdist (`-n N`) each worker takes its share of the cores' intra-op
+threads.
 
 `release` marks the tests of what can differ between torch and framework releases: FSDP2's extension points (custom
 all-gathers, `fsdp_pre/post_all_gather`), DCP, the functional collectives, the Triton interpreter, the Lightning,
