@@ -159,9 +159,9 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
     set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is not None and world > 1:
         set_timeout(datetime.timedelta(minutes=10))
-    # host_memory_reuse off: glibc then returns freed blocks (a dequantized weight, the gathered root) to the kernel,
-    # so the peak RSS measured is what is live, not the heap's high-water mark with its fragments (at 2 layers of
-    # this shape it kept 0.5-1.5 GB more per rank); steps fault their buffers in again, a little slower.
+    # host_memory_reuse off: glibc then unmaps every freed block of 1 MiB and up (a dequantized weight, gathered codes;
+    # runtime/host_memory.py), so the peak RSS measured is what is live, not the heap's high-water mark with its
+    # fragments (at 4 layers of this shape 0.35 GB less per rank); steps fault their buffers in again, a little slower.
     config = {"zero_optimization": {"stage": 3, "frozen_format": fmt}, "bf16": {"enabled": True},
               "gradient_clipping": 1.0, "host_memory_reuse": False}  # fmt: skip
     import peft  # noqa: F401  (imported before the clock starts: load_s is the load, not the imports)

@@ -65,7 +65,7 @@ ACTS: dict[str, str] = {
     "comms_logger.prof_all": "runtime/comms_logger.py",
     "comms_logger.prof_ops": "runtime/comms_logger.py",
     "comms_logger.debug": "runtime/comms_logger.py",
-    "host_memory_reuse": "zero/apply.py: reuse_freed_host_memory on CPU",
+    "host_memory_reuse": "zero/apply.py: reuse_freed_host_memory (true) / release_freed_host_memory (false) on CPU",
     "non_finite_gradients": "zero/engine.py: stop or skip at an inf/nan gradient without loss scaling",
 }
 
