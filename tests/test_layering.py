@@ -60,7 +60,12 @@ RULES: tuple[Rule, ...] = (
     Rule("ds_plugin/zero/", forbid=ADAPTERS, why="the ZeRO algorithm never imports the adapters"),
     Rule("ds_plugin/strategies/", forbid=("ds_plugin.accelerate",), why="adapters never import each other"),
     Rule("ds_plugin/accelerate/", forbid=("ds_plugin.strategies", *LIGHTNING), why="adapters never import each other"),
-    Rule("ds_plugin/kernels/", forbid=("ds_plugin",), allow=(FORMAT,), why="kernels import only the quant format"),
+    Rule(
+        "ds_plugin/kernels/",
+        forbid=("ds_plugin",),
+        allow=(FORMAT, "ds_plugin.kernels.quant_linear_tilings"),
+        why="kernels import only the quant format and the GEMM kernels' tilings",
+    ),
     Rule(
         "ds_plugin/quant/comm/format.py",
         forbid=(EVERYTHING,),

@@ -4,7 +4,8 @@
 activations, fp32 accumulation, weights as the components of :mod:`ds_plugin.quant.frozen.codecs` (any row
 stride), and no dequantized copy of W in memory. Their plain-torch references, by the same bit operations, sit
 beside them in :mod:`ds_plugin.kernels.quant_linear_reference`. This module imports nothing from ds_plugin.quant
-(the layering of ``tests/test_layering.py``), so it restates the layouts it reads: int8 ``codes``
+(the layering of ``tests/test_layering.py``; its tilings live in
+:mod:`ds_plugin.kernels.quant_linear_tilings`), so it restates the layouts it reads: int8 ``codes``
 (N, K); int4 ``codes`` (N, K/2), element ``2i`` in the high nibble, uint8 ``zeros`` in 1/16 steps; fp6 ``codes``
 (N, 3K/4), a nibble plane then a (sign, e2) plane per row, bits as :mod:`ds_plugin.quant.frozen.fp6` places them.
 
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +50,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ds_plugin.kernels.quant_linear_tilings import Config, backward_configs, fit, forward_configs, interpreter_enabled
+
 __all__ = ["KERNEL_FORMATS", "Config", "Launch", "backward_configs", "backward_launch", "forward_configs"]
 __all__ += ["forward_launch", "interpreter_enabled", "launch_counts", "linear_backward", "linear_forward", "supports"]
 
@@ -57,37 +59,6 @@ KERNEL_FORMATS = ("int8", "int4", "fp6")
 _FMT_ID = {"int8": 0, "int4": 1, "fp6": 2}
 _INT8, _INT4, _FP6 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _SIGN_BITS = tl.constexpr(0x80008000 - (1 << 32))  # as an int32, so the mask keeps the word's type
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One tiling of a kernel.
-
-    Args:
-        bm, bn, bk: tile rows of x (dy), rows of W, columns of W (powers of 2 >= 16). Forward: bn output columns,
-            bk the reduction step; backward: bn the reduction step, bk output columns.
-        split_k: forward only: programs sharing one output tile's reduction (fp32 atomics when > 1).
-        post_scale: forward only: scale the tile product rather than each weight (needs ``group % bk == 0``).
-        group_m: tiles of M visited together, for L2 reuse of W.
-        num_warps, num_stages: Triton's launch options.
-    """
-
-    bm: int
-    bn: int
-    bk: int
-    split_k: int = 1
-    post_scale: bool = True
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), as triton itself reads it."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def supports(fmt: str, dtype: torch.dtype, k: int, group_size: int) -> bool:
@@ -334,76 +305,6 @@ def _rebound(fn: Callable[..., Any], namespace: dict[str, Any]) -> Callable[...,
 
 # ------------------------------------------------------------------------------------------------------ host side
 
-# Candidates per shape class, best guess first; the op times them on a GPU. Few on purpose: each is a compile.
-# fmt: off
-_SMALL_M = (  # M <= 16: weight streaming; wide K steps, split-K for shapes with few programs
-    Config(16, 64, 128, num_stages=4), Config(16, 32, 128, num_stages=4), Config(16, 128, 64, num_stages=4),
-    Config(16, 64, 128, split_k=2, num_stages=4), Config(16, 32, 256, post_scale=False),
-    Config(16, 64, 64, split_k=4, num_stages=5),
-)
-_MID_M = (  # 16 < M <= 128
-    Config(64, 64, 64, num_stages=4), Config(32, 64, 128, num_stages=4),
-    Config(64, 128, 64, num_warps=8), Config(128, 64, 64, num_warps=8),
-)
-# M > 128: tensor-core tiles; the decode is amortised over BM rows. No candidate spills registers on sm_90 beyond a
-# few words (``ds-plugin bench kernel-resources``): a post-scaled 128 x 256 tile, with its two fp32
-# accumulators, spilled ~1 KB per thread, so that tile scales per element.
-_LARGE_M = (
-    Config(128, 128, 64, num_warps=8), Config(128, 256, 64, post_scale=False, num_warps=8),
-    Config(128, 128, 64, post_scale=False, num_warps=8), Config(64, 128, 64, num_stages=4),
-)
-# Backward: bn is the reduction step over N, bk the output columns. Replaced for spilling on sm_90: 128 x 256 output
-# tiles, and 64 x 128 on 4 warps (int4, Triton 3.6).
-_BACKWARD = (
-    Config(128, 64, 128, num_warps=8), Config(128, 32, 128, num_warps=8, num_stages=4),
-    Config(64, 64, 128, num_warps=8, num_stages=4), Config(128, 64, 128, num_warps=8, num_stages=4),
-)
-_BACKWARD_SMALL = (Config(16, 64, 64, num_stages=4), Config(16, 64, 128))
-# fmt: on
-_INTERPRETED = Config(16, 32, 32, group_m=2, num_warps=1, num_stages=1)  # numpy per program: small tiles
-
-
-def _fit(cfg: Config, group_size: int, k: int) -> Config | None:
-    """``cfg`` adjusted to the weight: post-scaling needs K-tiles inside one group; None when it cannot run."""
-    bk = cfg.bk
-    if cfg.post_scale and group_size % bk:
-        bk = group_size & -group_size  # the largest power of two dividing the group
-        if bk < 16:
-            return None
-    if cfg.split_k > 1 and triton.cdiv(k, bk) < cfg.split_k:
-        return None
-    return dataclasses.replace(cfg, bk=bk)
-
-
-def _candidates(pool: tuple[Config, ...], group_size: int, k: int) -> list[Config]:
-    fitted = [c for c in (_fit(c, group_size, k) for c in pool) if c is not None]
-    fitted = list(dict.fromkeys(fitted))
-    if not fitted:  # a group with no power-of-two factor >= 16: scale per element
-        fitted = [dataclasses.replace(c, post_scale=False) for c in pool if c.split_k == 1][:1]
-    return fitted
-
-
-def forward_configs(m: int, group_size: int, k: int) -> list[Config]:
-    """The forward's candidate tilings for ``m`` rows and this weight, best guess first (empty: none fits).
-
-    Args:
-        m, group_size, k: rows of x, the weight's group size and K.
-    """
-    if interpreter_enabled():
-        return _candidates((_INTERPRETED,), group_size, k)
-    return _candidates(_SMALL_M if m <= 16 else _MID_M if m <= 128 else _LARGE_M, group_size, k)
-
-
-def backward_configs(m: int) -> list[Config]:
-    """The backward's candidate tilings for ``m`` rows of dy, best guess first.
-
-    Args:
-        m: rows of dy.
-    """
-    if interpreter_enabled():
-        return [_INTERPRETED]
-    return list(_BACKWARD_SMALL if m <= 16 else _BACKWARD)
-
 
 def _widen(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreter_enabled()
@@ -601,7 +502,7 @@ def linear_forward(
         return y.view(*x.shape[:-1], n)
     if config is None:
         config = forward_configs(m, group_size, k)[0]
-    config = _fit(config, group_size, k) or dataclasses.replace(config, post_scale=False, split_k=1)
+    config = fit(config, group_size, k) or dataclasses.replace(config, post_scale=False, split_k=1)
     launch = forward_launch(x2, fmt, codes, scales, zeros, group_size, bias, config, y)
     launch.run()
     if config.split_k > 1:
