@@ -293,7 +293,9 @@ def run(args: Any) -> dict:
         if args.device == "cuda":
             ranks = [_run_cuda(**kwargs)]
         else:
-            ranks = run_ranks(_zero_rank, args.world_size, timeout=args.timeout, device="cpu", **kwargs)
+            ranks = run_ranks(
+                _zero_rank, args.world_size, timeout=args.timeout, start_method="spawn", device="cpu", **kwargs
+            )
         runs.append({
             "params": params,
             "world_size": len(ranks),
@@ -312,8 +314,8 @@ def run(args: Any) -> dict:
         })  # fmt: skip
     qlora = None
     if args.qlora:
-        qlora = run_ranks(_qlora_rank, 1, timeout=args.timeout, path=str(path), seq=args.seq, steps=args.steps,
-                          threads=args.world_size)[0]  # fmt: skip
+        qlora = run_ranks(_qlora_rank, 1, timeout=args.timeout, start_method="spawn", path=str(path), seq=args.seq,
+                          steps=args.steps, threads=args.world_size)[0]  # fmt: skip
     return {
         "benchmark": "big_model",
         "date": datetime.date.today().isoformat(),

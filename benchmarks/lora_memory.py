@@ -177,13 +177,17 @@ def run(
     common: dict[str, Any] = {"config": config, "seq": seq, "batch": batch, "steps": steps}
     per_run: dict[str, list[dict[str, Any]]] = {}
     if not isolate:
-        shared = run_ranks(shared_worker, world_size, timeout=timeout * len(runs), runs=tuple(runs), **common)
+        shared = run_ranks(
+            shared_worker, world_size, timeout=timeout * len(runs), start_method="spawn", runs=tuple(runs), **common
+        )
         per_run = {name: [r[name] for r in shared if name in r] for name in runs}
     for name in runs if isolate else ():
         if name == "bnb_qlora":
-            per_run[name] = run_ranks(bnb_worker, 1, timeout=timeout, ranks=world_size, **common)
+            per_run[name] = run_ranks(bnb_worker, 1, timeout=timeout, start_method="spawn", ranks=world_size, **common)
         else:
-            per_run[name] = run_ranks(zero_worker, world_size, timeout=timeout, fmt=name, **common)
+            per_run[name] = run_ranks(
+                zero_worker, world_size, timeout=timeout, start_method="spawn", fmt=name, **common
+            )
     summaries = [_summarise(name, per_run[name]) for name in runs]
     first = per_run[runs[0]][0]
     report: dict[str, Any] = {
