@@ -185,14 +185,46 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
     for block in blocks:
         fully_shard(block, **kwargs)
-    # The root (embeddings, final norm, head) stays gathered from forward to backward, which needs it first, as
-    # FSDP2 does by itself when the setting is left unset: that saves one all-gather per step of what is often the
-    # largest parameter (GPT-2's tied embedding: 9% of the step in `bench peers`). With hpZ the root keeps the
+    root = plan.reshard_after_forward
+    # Stage 3 with an untied input embedding and output head (Llama, Mistral; not GPT-2's tied one): each is its own
+    # unit, so the root no longer holds both whole from forward to backward (1 GB of bf16 at a 7B model's
+    # 32000 x 4096). The embedding frees its gathered weight after forward, as a block does; the head, used last in
+    # forward and first in backward, stays gathered between the two (freeing it there would only add an
+    # all-gather) and is freed after its backward.
+    for module, after_forward in _separate_ends(model, root):
+        fully_shard(module, **{**kwargs, "reshard_after_forward": after_forward})
+    # The root (the final norm; the embedding and head too when tied) stays gathered from forward to backward,
+    # which needs it first, as FSDP2 does by itself when the setting is left unset: that saves one all-gather per step
+    # of what is often the largest parameter (GPT-2's tied embedding: 9% of the step in `bench peers`). With hpZ the root keeps the
     # blocks' setting: its backward gather stays in the node anyway, and backward then sees the root's weights as
     # it sees the blocks' (under qwZ, secondary shards re-quantized, as in DeepSpeed). Keeping the root gathered
     # there moved fp16 ZeRO++ from 0.84% to 1.01% off ZeRO-3's loss in tests/zero/test_zeropp_convergence.py.
-    root = plan.reshard_after_forward
     fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root})
+
+
+def _separate_ends(model: nn.Module, reshard_after_forward: bool | int) -> list[tuple[nn.Module, bool | int]]:
+    """The input embedding and output head to shard as units of their own, with each one's reshard setting.
+
+    Only at stage 3 (stage 2 keeps every weight gathered until backward anyway), only for a model that names them
+    (`get_input_embeddings` / `get_output_embeddings`, as transformers and peft models do), and neither when they
+    share a parameter (tied: one parameter cannot live in two units, so the root keeps both).
+    """
+    if reshard_after_forward is False:
+        return []
+    ends = []
+    for getter, after_forward in (
+        ("get_input_embeddings", reshard_after_forward),
+        ("get_output_embeddings", False if reshard_after_forward is True else reshard_after_forward),
+    ):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        if isinstance(module, nn.Module) and not any(isinstance(m, FSDPModule) for m in module.modules()):
+            ends.append((module, after_forward))
+    if len(ends) == 2 and {id(p) for p in ends[0][0].parameters()} & {id(p) for p in ends[1][0].parameters()}:
+        return []
+    return ends
 
 
 @torch.no_grad()

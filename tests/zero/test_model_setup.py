@@ -13,7 +13,7 @@ import resource
 import pytest
 import torch
 from _dist import run_ranks
-from _tiny import full_params, gpt2, zero_config
+from _tiny import full_params, gpt2, llama, zero_config
 from torch import nn
 
 from ds_plugin.zero.apply import apply_zero
@@ -176,6 +176,7 @@ class _EmbedThenBlocks(nn.Module):
 
 
 def _sharded_after_forward(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -190,6 +191,26 @@ def _sharded_after_forward(rank: int, world: int) -> dict:
             "block": isinstance(model.blocks[0].weight, DTensor),
         }
         loss.backward()
+    # A transformers model names its input embedding and output head: untied (Llama), each is a unit of its own at
+    # stage 3; tied (GPT-2), the root keeps the shared weight. Stage 2 keeps every weight gathered until backward.
+    x = torch.arange(8).view(1, 8)
+    for name, build, stage in (("llama3", llama, 3), ("gpt2_3", gpt2, 3), ("llama2", llama, 2)):
+        model = build()
+        apply_zero(model, zero_config(stage))
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        loss = model(input_ids=x, labels=x).loss
+        between = {
+            "embedding": isinstance(embedding.weight, DTensor),
+            "head": isinstance(head.weight, DTensor),
+            "norm": isinstance(model.model.norm.weight if name != "gpt2_3" else model.transformer.ln_f.weight, DTensor),
+        }
+        loss.backward()
+        out[name] = {
+            "between": between,
+            "after": isinstance(head.weight, DTensor) and isinstance(embedding.weight, DTensor),
+            "units": sum(isinstance(m, FSDPModule) for m in (embedding, head)),
+            "grads": all(p.grad is not None for p in model.parameters()),
+        }
     return out
 
 
@@ -200,3 +221,18 @@ def test_root_stays_gathered_for_backward_unless_hpz(four_ranks):
     for res in (r["sharded"] for r in four_ranks):  # hpZ needs k=2 < the world
         assert res["zero3"] == {"root": False, "block": True}, res
         assert res["hpz"] == {"root": True, "block": True}, res
+
+
+def test_untied_embedding_and_head_are_units_of_their_own_at_stage3(four_ranks):
+    # The embedding is freed after forward like a block; the head stays gathered until its backward (used last in
+    # forward, first in backward), then is freed; the final norm stays in the root. Everything trains.
+    for res in (r["sharded"] for r in four_ranks):
+        assert res["llama3"]["between"] == {"embedding": True, "head": False, "norm": False}, res
+        assert res["llama3"]["units"] == 2 and res["llama3"]["after"], res
+        # Tied (GPT-2): one weight, kept by the root and gathered from forward to backward.
+        assert res["gpt2_3"]["between"] == {"embedding": False, "head": False, "norm": False}, res
+        assert res["gpt2_3"]["units"] == 0, res
+        # Stage 2: nothing is freed between forward and backward, so nothing is split off.
+        assert res["llama2"]["between"] == {"embedding": False, "head": False, "norm": False}, res
+        assert res["llama2"]["units"] == 0, res
+        assert all(res[k]["grads"] for k in ("llama3", "gpt2_3", "llama2")), res
