@@ -15,8 +15,10 @@
 
 JSON per format: `params`, `world_size`, `format`, `checkpoint_bytes`, `load_s` (the load, quantization included,
 slowest rank), `quantize_s` (of it, the quantizer's time, slowest rank), `first_step_s`, `step_s` (the second
-step), `peak_rss_mb_per_rank` (`getrusage` max RSS, imports included), `naive_fp32_bytes_per_rank` (what
-`from_pretrained(dtype=float32)` holds on every rank before ZeRO shards anything), and `adapter_reloaded`. With
+step), `peak_rss_mb_per_rank` (`getrusage` max RSS, imports included; `peak_rss_mb_after_phase_per_rank`: that
+peak as it stood after the load, setup, first forward, first backward, each step and the save, which shows the phase
+that set it), `naive_fp32_bytes_per_rank` (what `from_pretrained(dtype=float32)` holds on every rank before ZeRO
+shards anything), and `adapter_reloaded`. With
 `--device cuda`: one rank on NCCL, quantized on the GPU, `peak_gpu_mb` added.
 """
 
@@ -171,7 +173,10 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
     start = time.perf_counter()
     model = load_pretrained(path, config, peft_config=_lora_config(), dtype=torch.bfloat16, stats=stats)
     load_s = time.perf_counter() - start
+    # The peak so far after each phase: which phase set the run's peak.
+    peaks = {"load": _peak_rss_mb()}
     engine = ds_plugin.initialize(model, config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    peaks["setup"] = _peak_rss_mb()
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(rank)).to(dev)
@@ -179,14 +184,18 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
     for _ in range(steps):
         t0 = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
+        peaks.setdefault("forward", _peak_rss_mb())
         engine.backward(loss)
+        peaks.setdefault("backward", _peak_rss_mb())
         engine.step()
+        peaks[f"step{len(losses) + 1}"] = _peak_rss_mb()
         losses.append(loss.item())
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     saved = ds_plugin.save_adapter(engine, Path(out) / fmt)  # collective; rank 0 writes
     gathered = full_state_dict(engine, trainable_only=True)  # collective; whole on rank 0
+    peaks["save"] = _peak_rss_mb()
     reloaded = None
     if rank == 0:
         files = load_file(Path(saved) / "adapter_model.safetensors")
@@ -199,6 +208,7 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
         "times": times,
         "losses": losses,
         "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb_after": {k: round(v, 1) for k, v in peaks.items()},
         "adapter_reloaded": reloaded,
     }
     if dev.type == "cuda":
@@ -306,6 +316,7 @@ def run(args: Any) -> dict:
             "first_step_s": round(max(r["times"][0] for r in ranks), 2),
             "step_s": round(max(r["times"][-1] for r in ranks), 2),
             "peak_rss_mb_per_rank": [round(r["peak_rss_mb"], 1) for r in ranks],
+            "peak_rss_mb_after_phase_per_rank": [r["peak_rss_mb_after"] for r in ranks],
             "naive_fp32_bytes_per_rank": naive,
             "read_bytes_per_rank": [r["read_bytes"] for r in ranks],
             "losses": [round(x, 4) for x in ranks[0]["losses"]],

@@ -37,6 +37,9 @@ def test_tiny_run(tmp_path, monkeypatch):
     for r in report["runs"]:
         assert KEYS <= set(r), r
         assert r["world_size"] == 2 and len(r["peak_rss_mb_per_rank"]) == 2, r
+        for peak, phases in zip(r["peak_rss_mb_per_rank"], r["peak_rss_mb_after_phase_per_rank"], strict=True):
+            assert list(phases) == ["load", "setup", "forward", "backward", "step1", "step2", "save"], phases
+            assert list(phases.values()) == sorted(phases.values()) and phases["save"] <= peak, (phases, peak)
         assert r["checkpoint_bytes"] == sum(f.stat().st_size for f in files) and r["params"] * 2 < r["checkpoint_bytes"]
         assert r["naive_fp32_bytes_per_rank"] == 4 * r["params"], r
         # ZeRO-3: each rank read half the weights.
