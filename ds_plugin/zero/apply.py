@@ -194,11 +194,12 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     for module, after_forward in _separate_ends(model, root):
         fully_shard(module, **{**kwargs, "reshard_after_forward": after_forward})
     # The root (the final norm; the embedding and head too when tied) stays gathered from forward to backward,
-    # which needs it first, as FSDP2 does by itself when the setting is left unset: that saves one all-gather per step
-    # of what is often the largest parameter (GPT-2's tied embedding: 9% of the step in `bench peers`). With hpZ the root keeps the
-    # blocks' setting: its backward gather stays in the node anyway, and backward then sees the root's weights as
-    # it sees the blocks' (under qwZ, secondary shards re-quantized, as in DeepSpeed). Keeping the root gathered
-    # there moved fp16 ZeRO++ from 0.84% to 1.01% off ZeRO-3's loss in tests/zero/test_zeropp_convergence.py.
+    # which needs it first, as FSDP2 does by itself when the setting is left unset: that saves one all-gather per
+    # step of what is often the largest parameter (GPT-2's tied embedding: 9% of the step in `bench peers`). With
+    # hpZ the root keeps the blocks' setting: its backward gather stays in the node anyway, and backward then sees
+    # the root's weights as it sees the blocks' (under qwZ, secondary shards re-quantized, as in DeepSpeed). Keeping
+    # the root gathered there moved fp16 ZeRO++ from 0.84% to 1.01% off ZeRO-3's loss in
+    # tests/zero/test_zeropp_convergence.py.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root})
 
 
