@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes and hand each rank's return value back (tests, benchmarks).
+"""Run a function on N gloo ranks, each its own process, and hand each rank's return value back (tests, benchmarks).
 
 Ranks are forked from a forkserver (where the platform has one) that has imported the heavy modules the caller
 already holds (torch, its FSDP2 and DCP packages, transformers' model code, ds_plugin's engine) once: a spawned rank

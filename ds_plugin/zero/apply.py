@@ -187,9 +187,9 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
         fully_shard(block, **kwargs)
     root = plan.reshard_after_forward
     # Stage 3 with an untied input embedding and output head (Llama, Mistral; not GPT-2's tied one): each is its own
-    # unit, so the root no longer holds both whole from forward to backward (1 GB of bf16 at a 7B model's
-    # 32000 x 4096). The embedding frees its gathered weight after forward, as a block does; the head, used last in
-    # forward and first in backward, stays gathered between the two (freeing it there would only add an
+    # unit, so the root no longer holds both whole from forward to backward (524 MB of bf16 at a 7B model: two
+    # 32000 x 4096 weights). The embedding frees its gathered weight after forward, as a block does; the head, used
+    # last in forward and first in backward, stays gathered between the two (freeing it there would only add an
     # all-gather) and is freed after its backward.
     for module, after_forward in _separate_ends(model, root):
         fully_shard(module, **{**kwargs, "reshard_after_forward": after_forward})
