@@ -33,7 +33,6 @@ Only the interpreter has run these kernels on this project's CI machines; the GP
 from __future__ import annotations
 
 import collections
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ds_plugin.kernels.quant_linear_tilings import interpreter_enabled
 from ds_plugin.quant.comm.format import FLOAT_DTYPES, FP32_MAX, QMAX, SCALE_DTYPES, check_format, scale_cap
 
 __all__ = [
@@ -63,14 +63,6 @@ _BF16_NAN_BITS = tl.constexpr(0x7FC0)
 _BF16_ONE_BITS = tl.constexpr(0x3F80)
 _jitted: dict[tuple[str, bool], Any] = {}
 _launched: collections.Counter[tuple[str, int]] = collections.Counter()
-
-
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), as triton itself reads it."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
