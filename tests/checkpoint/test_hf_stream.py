@@ -13,7 +13,6 @@ file and the tensor, raised before anything is allocated, nothing written.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import warnings
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from ds_plugin.launch import run_ranks
+from tests._memory import resident_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -85,18 +85,13 @@ def _quantized(model) -> dict:
     return quantized_weights(model)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _peak_rss_during(fn) -> tuple[object, int, int]:
     """fn()'s result, the resident memory it added at its peak and at its end (sampled every millisecond)."""
-    base, peak, done = _rss(), [0], threading.Event()
+    base, peak, done = resident_bytes(), [0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _rss())
+            peak[0] = max(peak[0], resident_bytes())
             time.sleep(0.001)
 
     thread = threading.Thread(target=sample, daemon=True)
@@ -106,7 +101,7 @@ def _peak_rss_during(fn) -> tuple[object, int, int]:
     finally:
         done.set()
         thread.join()
-    end = _rss()
+    end = resident_bytes()
     return result, max(peak[0], end) - base, end - base
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ds_plugin.launch import run_ranks
 from ds_plugin.runtime.host_memory import host_memory_reuse_state, release_freed_host_memory, reuse_freed_host_memory
+from tests._memory import resident_bytes
 from tests.zero._tiny import zero_config
 
 glibc_only = pytest.mark.skipif(
@@ -41,8 +42,7 @@ def _faults_per_round(reuse: bool, rounds: int = 30) -> dict:
 
 
 def _resident_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    return resident_bytes() / 2**20
 
 
 def _dead_heap_mb() -> float:

@@ -7,9 +7,6 @@ Most checks need no process group and run in the test process; the two that need
 
 from __future__ import annotations
 
-import os
-import resource
-
 import pytest
 import torch
 from _dist import run_ranks
@@ -21,6 +18,7 @@ from ds_plugin.zero.init import materialize_, meta_init
 from ds_plugin.zero.mesh import ZeroSetupError
 from ds_plugin.zero.optimizer import build_optimizer, clip_grad_norm_
 from ds_plugin.zero.wrap import find_blocks
+from tests._memory import resident_bytes
 
 # ---------------------------------------------------------------------------------------------- no process group
 
@@ -31,21 +29,16 @@ def test_apply_zero_without_process_group_says_how_to_start_one():
     assert "\n" not in str(info.value)
 
 
-def _rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def test_meta_init_allocates_nothing():
     make = lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # noqa: E731  (128 MiB of fp32)
     warm = make()  # kept alive: the builds below cannot reuse its (resident) memory
-    before = _rss_bytes()
+    before = resident_bytes()
     with meta_init():
         lazy = make()
-    grown_meta = _rss_bytes() - before
-    before = _rss_bytes()
+    grown_meta = resident_bytes() - before
+    before = resident_bytes()
     eager = make()
-    grown_eager = _rss_bytes() - before
+    grown_eager = resident_bytes() - before
     assert all(p.is_meta for p in lazy.parameters()) and not any(p.is_meta for p in eager.parameters())
     assert grown_eager > 100 * 2**20, "the measurement does not see real allocations"
     assert grown_meta < 8 * 2**20, f"meta build grew the process by {grown_meta / 2**20:.1f} MiB"
