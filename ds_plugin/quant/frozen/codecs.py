@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -115,10 +116,12 @@ assert len(_CLIP_PAIRS) <= 32  # the search keeps a candidate's index in 5 bits
 _LSQ_STEPS = 4
 _SCALE_REFITS = 1
 # Elements per pass. On a CPU a pass's fp32 temporaries should stay in the core's L2 cache (1-2 MB): 64K elements
-# (256 KB each; the INT4 search reuses three such buffers across its candidates). Packing codes (integer ops on
-# 8-byte words) runs on 256K codes at a time. An accelerator wants large passes instead (each op is a kernel
+# (256 KB each; the INT4 search reuses four such buffers across its candidates; measured best of 16K..256K).
+# Elements per block, whose per-group steps run as one op each and whose codes are packed at once (integer ops on
+# 8-byte words): 1M (a 4 MB fp32 copy of the block). An accelerator wants large passes instead (each op is a kernel
 # launch); those sizes bound its temporaries to ~2 GB.
-_CHUNK_ELEMENTS = {"cpu": 1 << 16, "search_cpu": 1 << 16, "device": 1 << 26, "search_device": 1 << 26}
+_CHUNK_ELEMENTS = {"cpu": 1 << 16, "device": 1 << 26}
+_BLOCK_ELEMENTS = {"cpu": 1 << 20, "device": 1 << 26}
 _PACK_ELEMENTS = {"cpu": 1 << 18, "device": 1 << 26}
 
 
@@ -176,22 +179,23 @@ def quantize_weight(
     check_weight(fmt, tuple(weight.shape), group_size)
     n_rows, k = weight.shape
     where = "cpu" if weight.device.type == "cpu" else "device"
-    step = max(1, _CHUNK_ELEMENTS[f"search_{where}" if fmt == "int4" and method == "search" else where] // k)
-    # Packing runs on blocks of many chunks: its integer ops touch each code once, so bigger is cheaper per code.
-    block = max(step, _PACK_ELEMENTS[where] // k // step * step)
+    step = max(1, _CHUNK_ELEMENTS[where] // k)
+    # Blocks of many chunks: the per-group steps (many small ops, each costing microseconds on a CPU whatever its
+    # size) run once per block, and packing's integer ops, which touch each code once, are cheaper per code on more.
+    block = max(step, _BLOCK_ELEMENTS[where] // k // step * step)
     # Row chunks bound the temporaries; every step is per row, so chunking cannot change a result.
     blocks, finite = [], torch.ones((), dtype=torch.bool, device=weight.device)
     for start in range(0, max(n_rows, 1), block):
-        chunks = []
-        for i in range(start, min(start + block, max(n_rows, 1)), step):
-            parts, amax = _quantize_rows(weight[i : i + step], fmt, group_size, method)
-            chunks.append(parts)
-            finite &= torch.isfinite(amax).all()  # a group's max magnitude is inf or nan iff the group holds one
-        parts = _cat(chunks)
-        if fmt == "fp6":
-            parts["codes"] = fp6.pack_fp6(parts["codes"])
-        elif fmt != "int8":
-            parts["codes"] = _pack_nibbles(parts["codes"])
+        parts, amax = _quantize_rows(weight[start : start + block], fmt, group_size, method, step)
+        finite &= torch.isfinite(amax).all()  # a group's max magnitude is inf or nan iff the group holds one
+        if fmt != "int8":
+            pack = fp6.pack_fp6 if fmt == "fp6" else _pack_nibbles
+            rows = max(1, _PACK_ELEMENTS[where] // k)
+            parts["codes"] = (
+                torch.cat([pack(c) for c in parts["codes"].split(rows)])
+                if len(parts["codes"])
+                else pack(parts["codes"])
+            )
         blocks.append(parts)
     if not finite:
         _check_finite(weight)
@@ -304,24 +308,43 @@ def _part(parts: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> Tensor
     return tensor
 
 
-def _quantize_rows(rows: Tensor, fmt: str, group_size: int, method: str) -> tuple[dict[str, Tensor], Tensor]:
-    # The parts of a chunk of rows, and each group's largest magnitude (nan or inf where the group holds either).
+def _quantize_rows(rows: Tensor, fmt: str, group_size: int, method: str, step: int) -> tuple[dict[str, Tensor], Tensor]:
+    # The parts of a block of rows, and each group's largest magnitude (nan or inf where the group holds either).
+    # Passes over the elements run on chunks of ``step`` rows (on a CPU, from the core's cache); the per-group and
+    # per-row arithmetic between them runs once per block (on a CPU each small op costs microseconds, whatever its
+    # size, so per chunk those would cost as much as the passes).
     n_rows, k = rows.shape
-    # One fp32 copy (exact from bf16 / fp16), which every step reads: ops on fp32 run ~2x faster than on bf16.
-    blocks = rows.reshape(n_rows, k // group_size, group_size).float()
+    grouped = rows.reshape(n_rows, k // group_size, group_size)
+    spans = [(a, min(a + step, n_rows)) for a in range(0, n_rows, step)]
     if fmt == "int4" and method == "search":
+        # One fp32 copy (exact from bf16 / fp16) of the block, which every step reads many times.
+        blocks = grouped.float()
         lo, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
-        codes, scales, zeros = _int4_search(blocks, lo, hi)
+        codes, scales, zeros = _int4_search(blocks, lo, hi, spans)
         return {"codes": codes.view(n_rows, k), "scales": scales, "zeros": zeros}, torch.maximum(hi, -lo)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # The other formats read each element twice (its group's absmax, then its code): each time a chunk is copied
+    # to fp32 (exact from bf16 / fp16; ops on fp32 run ~2x faster than on bf16) into one reused buffer, which the
+    # steps then work on in place.
+    buf = torch.empty((min(step, n_rows), *grouped.shape[1:]), dtype=torch.float32, device=rows.device)
+
+    def chunks() -> Iterator[tuple[slice, Tensor]]:
+        for a, b in spans:
+            yield slice(a, b), buf[: b - a].copy_(grouped[a:b])
+
+    amax = torch.empty((*grouped.shape[:2], 1), dtype=torch.float32, device=rows.device)
+    for where, x in chunks():
+        torch.amax(x.abs_(), dim=-1, keepdim=True, out=amax[where])
+    shape = grouped.shape
     if fmt == "int8":
-        return _quantize_int8(blocks, amax), amax
-    if fmt == "int4":
-        codes, scales, zeros = _int4_absmax(blocks, amax)
-        return {"codes": codes.view(n_rows, k), "scales": scales, "zeros": zeros}, amax
-    if fmt == "fp6":
-        return _quantize_fp6(blocks, amax), amax
-    return _quantize_nf4(blocks, amax, double_quant=method == "double_quant"), amax
+        parts = _quantize_int8(shape, amax, chunks)
+    elif fmt == "int4":
+        parts = _int4_absmax(shape, amax, chunks)
+    elif fmt == "fp6":
+        parts = _quantize_fp6(shape, amax, chunks)
+    else:
+        parts = _quantize_nf4(shape, amax, method == "double_quant", chunks)
+    parts["codes"] = parts["codes"].view(n_rows, k)
+    return parts, amax
 
 
 # The steps below divide, multiply and round exactly as ``quantize_blocks`` and the first version of each format did,
@@ -329,28 +352,39 @@ def _quantize_rows(rows: Tensor, fmt: str, group_size: int, method: str) -> tupl
 # (``quantize_weight`` refuses those), table lookups where there were searches, and fp32 -> int8 conversions (codes
 # of 0..127 are the same bytes as uint8, and the conversion is several times faster).
 
+Spans = list[tuple[int, int]]
+# Yields (rows, that chunk of the block in fp32) for each chunk in turn, in a buffer the caller may overwrite.
+Chunks = Callable[[], Iterator[tuple[slice, Tensor]]]
 
-def _quantize_int8(blocks: Tensor, amax: Tensor) -> dict[str, Tensor]:
+
+def _integer_codes(shape: torch.Size, scales: Tensor, qmax: int, shift: int, chunks: Chunks) -> Tensor:
+    # round(x / scale) clamped to -qmax..qmax, plus ``shift``, as int8 (the same bytes as uint8 for 0..127).
+    codes = torch.empty(shape, dtype=torch.int8, device=scales.device)
+    for rows, x in chunks():
+        q = x.div_(scales[rows]).round_().clamp_(-qmax, qmax)
+        codes[rows] = q.add_(shift) if shift else q
+    return codes
+
+
+def _quantize_int8(shape: torch.Size, amax: Tensor, chunks: Chunks) -> dict[str, Tensor]:
     # quantize_blocks' rule: amax / 127 (a tensor division), 1 for an all-zero group, capped, rounded up to bf16.
     scales = amax / torch.full_like(amax, float(QMAX[8]))
     scales = round_up_to_bf16(torch.where(scales == 0, 1.0, scales).clamp(max=scale_cap(8, torch.bfloat16)))
-    codes = torch.div(blocks, scales).round_().clamp_(-QMAX[8], QMAX[8]).to(torch.int8)
-    n_rows, n_groups, group = blocks.shape
-    codes = codes.view(torch.uint8).view(n_rows, n_groups * group)
-    return {"codes": codes, "scales": scales.view(n_rows, n_groups).to(torch.bfloat16)}
+    codes = _integer_codes(shape, scales, QMAX[8], 0, chunks)
+    return {"codes": codes.view(torch.uint8), "scales": scales.squeeze(-1).to(torch.bfloat16)}
 
 
-def _int4_absmax(blocks: Tensor, amax: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _int4_absmax(shape: torch.Size, amax: Tensor, chunks: Chunks) -> dict[str, Tensor]:
     # Symmetric: scale = amax / 7 rounded up to bf16, so round(x / scale) stays in -7..7 and code = that + 8.
     qmax = QMAX[4]
     scales = round_up_to_bf16(torch.where(amax == 0, 1.0, amax / qmax).clamp(max=scale_cap(4, torch.bfloat16)))
-    codes = torch.div(blocks, scales).round_().clamp_(-qmax, qmax).add_(qmax + 1)
+    codes = _integer_codes(shape, scales, qmax, qmax + 1, chunks)
     scales = scales.squeeze(-1).to(torch.bfloat16)
     zeros = torch.full_like(scales, (qmax + 1) * _ZERO_STEPS, dtype=torch.uint8)
-    return codes.to(torch.int8).view(torch.uint8), scales, zeros
+    return {"codes": codes.view(torch.uint8), "scales": scales, "zeros": zeros}
 
 
-def _int4_search(blocks: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _int4_search(blocks: Tensor, lo: Tensor, hi: Tensor, spans: Spans) -> tuple[Tensor, Tensor, Tensor]:
     """Per group, the (scale, zero) that minimise the squared error, by a candidate search then least squares.
 
     1. Try each pair of clipping ratios in ``_CLIP_PAIRS`` for the group's negative and positive ends (the range
@@ -360,113 +394,129 @@ def _int4_search(blocks: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor
     3. Round the zero point to its 8-bit grid and the scale to bf16, refit the scale for that zero point, and
        compute the final codes against the stored values, so dequantization sees exactly what was optimised.
 
+    The passes over the elements run on the row chunks ``spans``, into one buffer made here and reused by all of
+    them; the per-group arithmetic between passes runs once for all of ``blocks``.
+
     Args:
         blocks: ``(rows, groups, group_size)`` fp32 values.
         lo, hi: each group's min and max, ``(rows, groups, 1)``.
+        spans: ``(first, end)`` rows of each chunk, in order, covering ``blocks``.
     """
     tiny = torch.finfo(torch.float32).tiny
+    n = blocks.shape[-1]
     lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    r_lo, r_hi, ids = _search_tables(blocks.device)
+    r_lo, r_hi, ids, run_ratios = _search_tables(blocks.device)
     # Every candidate's scale, (candidates, rows, groups, 1). Divide each end before subtracting so the span
     # cannot overflow near fp32's max.
-    s = (hi * r_hi - lo * (r_lo / _INT4_TOP)).clamp_(min=tiny)
-    inv = 1.0 / s
-    err = torch.empty_like(s)
-    t = torch.empty_like(blocks)
-    r = torch.empty_like(blocks)
-    shifted = torch.empty_like(blocks)
-    for start, end, ratio in _CLIP_RUNS:
-        # Candidates sharing a low-end ratio share the offset m = lo * ratio: x - m once, then (x - m) / s each.
-        torch.sub(blocks, lo * ratio, out=shifted)
-        for c in range(start, end):
-            torch.mul(shifted, inv[c], out=t)
-            torch.round(t, out=r).clamp_(0, _INT4_TOP)
-            # The root of the squared error, in code units (times s below, so huge weights cannot overflow it).
-            torch.linalg.vector_norm(t.sub_(r), dim=-1, keepdim=True, out=err[c])
-    del t, r, shifted
+    s = torch.mul(hi, r_hi).sub_(lo * (r_lo / _INT4_TOP)).clamp_(min=tiny)
+    inv, err, offsets = s.reciprocal(), torch.empty_like(s), torch.mul(lo, run_ratios)
+    # Four chunk-sized buffers: the candidates' x / s, codes and (x - m); then the least-squares steps' q, q q, q x.
+    rows = max((b - a for a, b in spans), default=0)
+    buf = torch.empty((4, rows, *blocks.shape[1:]), dtype=blocks.dtype, device=blocks.device)
+    for a, b in spans:
+        x = blocks[a:b]
+        t, r, shifted, _ = buf[:, : b - a].unbind(0)
+        invs, errs = inv[:, a:b].unbind(0), err[:, a:b].unbind(0)
+        for (first, end, _), offset in zip(_CLIP_RUNS, offsets[:, a:b].unbind(0), strict=True):
+            # Candidates sharing a low-end ratio share the offset m = lo * ratio: x - m once, then (x - m) / s each.
+            torch.sub(x, offset, out=shifted)
+            for c in range(first, end):
+                torch.mul(shifted, invs[c], out=t)
+                torch.round(t, out=r).clamp_(0, _INT4_TOP)
+                # The root of the squared error, in code units (times s below, so huge weights cannot overflow it).
+                torch.linalg.vector_norm(t.sub_(r), dim=-1, keepdim=True, out=errs[c])
     # The first candidate with the smallest error, as one amin (argmin over a leading dim is slow on CPUs): the
     # candidate's index replaces the low 5 mantissa bits of its (non-negative) error, a 4e-6 relative change.
     key = err.mul_(s).clamp_(max=FP32_MAX).view(torch.int32).bitwise_and_(~31).bitwise_or_(ids)
     pick = (key.view(torch.float32).amin(dim=0).view(torch.int32) & 31).flatten()
     r_lo, r_hi = r_lo.flatten().index_select(0, pick).view_as(lo), r_hi.flatten().index_select(0, pick).view_as(hi)
-    s, m = (hi * r_hi - lo * (r_lo / _INT4_TOP)).clamp_(min=tiny), lo * r_lo
-    n = blocks.shape[-1]
+    s, m = torch.mul(hi, r_hi).sub_(lo * (r_lo / _INT4_TOP)).clamp_(min=tiny), lo * r_lo
+    sums = torch.empty((3, *lo.shape), dtype=blocks.dtype, device=blocks.device)
     sum_x = blocks.sum(dim=-1, keepdim=True)
+
+    def code_sums(codes: Callable[[Tensor, Tensor, slice], None]) -> tuple[Tensor, Tensor, Tensor]:
+        # Per group: sum(q), sum(q q), sum(q x), each chunk's as one reduction over q and the two products.
+        for a, b in spans:
+            rows, x = slice(a, b), blocks[a:b]
+            q, qq, qx, _ = buf[:, : b - a].unbind(0)
+            codes(q, x, rows)
+            torch.mul(q, q, out=qq)
+            torch.mul(q, x, out=qx)
+            torch.sum(buf[:3, : b - a], dim=-1, keepdim=True, out=sums[:, rows])
+        return sums.unbind(0)
+
     for _ in range(_LSQ_STEPS):
-        inv = 1.0 / s
-        q = torch.mul(blocks, inv).sub_(m * inv).round_().clamp_(0, _INT4_TOP)
-        sum_q, sum_qq, sum_qx = _code_sums(q, blocks)
-        det = torch.addcmul(n * sum_qq, sum_q, sum_q, value=-1)
-        fit_s = torch.addcmul(n * sum_qx, sum_q, sum_x, value=-1) / det
-        fit_m = torch.addcmul(sum_x, fit_s, sum_q, value=-1) / n
-        # det == 0: all codes equal (a constant group), the fit is undetermined; keep the search's choice.
-        ok = (det > 0) & (fit_s >= tiny) & (fit_s < math.inf) & fit_m.isfinite()
+        inv = s.reciprocal()
+        sum_q, sum_qq, sum_qx = code_sums(
+            lambda q, x, rows: torch.sub(x, m[rows], out=q).mul_(inv[rows]).round_().clamp_(0, _INT4_TOP)
+        )
+        # Codes are integers 0..15 and n <= 2^16 / 15^2, so det is exact: 0 only when all codes are equal (a
+        # constant group), where the fit is undetermined and fit_s is nan or inf, which the checks below refuse.
+        det = torch.addcmul(sum_qq * n, sum_q, sum_q, value=-1)
+        fit_s = torch.addcmul(sum_qx * n, sum_q, sum_x, value=-1).div_(det)
+        fit_m = torch.addcmul(sum_x, fit_s, sum_q, value=-1).div_(n)
+        ok = (fit_s >= tiny).logical_and_(fit_s < math.inf).logical_and_(fit_m.abs() < math.inf)
         s, m = torch.where(ok, fit_s, s), torch.where(ok, fit_m, m)
-    zeros = (-m / s * _ZERO_STEPS).round_().clamp_(0, 255)
+    zeros = torch.div(m, s).mul_(-_ZERO_STEPS).round_().clamp_(0, 255)
     z = zeros / _ZERO_STEPS
     s = _to_bf16(s)
     for _ in range(_SCALE_REFITS):
         # The best scale for the stored zero point: d = q - z, s = sum(d x) / sum(d d), from the same three sums.
-        q = torch.mul(blocks, 1.0 / s).add_(z).round_().clamp_(0, _INT4_TOP)
-        sum_q, sum_qq, sum_qx = _code_sums(q, blocks)
+        sum_q, sum_qq, sum_qx = code_sums(
+            lambda q, x, rows: torch.div(x, s[rows], out=q).add_(z[rows]).round_().clamp_(0, _INT4_TOP)
+        )
         dx = torch.addcmul(sum_qx, z, sum_x, value=-1)
-        dd = torch.addcmul(sum_qq, z, torch.addcmul(sum_q, z, torch.full_like(z, n), value=-0.5), value=-2)
-        fit_s = _to_bf16(dx / dd)
-        s = torch.where((fit_s >= tiny) & (fit_s < math.inf), fit_s, s)
-    codes = torch.mul(blocks, 1.0 / s).add_(z).round_().clamp_(0, _INT4_TOP)
-    return codes.to(torch.int8).view(torch.uint8), s.squeeze(-1).to(torch.bfloat16), zeros.squeeze(-1).to(torch.uint8)
+        dd = torch.addcmul(sum_qq, z, torch.mul(z, n * 0.5).sub_(sum_q), value=2)
+        fit_s = _to_bf16(dx.div_(dd))
+        s = torch.where((fit_s >= tiny).logical_and_(fit_s < math.inf), fit_s, s)
+    codes = torch.empty(blocks.shape, dtype=torch.int8, device=blocks.device)
+    for a, b in spans:
+        q = torch.div(blocks[a:b], s[a:b], out=buf[0, : b - a]).add_(z[a:b]).round_().clamp_(0, _INT4_TOP)
+        codes[a:b].copy_(q)
+    return codes.view(torch.uint8), s.squeeze(-1).to(torch.bfloat16), zeros.squeeze(-1).to(torch.uint8)
 
 
-def _code_sums(q: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    # Per group: sum(q), sum(q q), sum(q x), each (rows, groups, 1).
-    return (
-        q.sum(dim=-1, keepdim=True),
-        torch.linalg.vecdot(q, q).unsqueeze_(-1),
-        torch.linalg.vecdot(q, blocks).unsqueeze_(-1),
-    )
+_SEARCH_TABLES: dict[tuple[torch.device, tuple], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
 
-_SEARCH_TABLES: dict[tuple[torch.device, tuple], tuple[Tensor, Tensor, Tensor]] = {}
-
-
-def _search_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+def _search_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # Per candidate, on the weight's device (made once): the low-end ratio and the high-end ratio / 15, each
-    # (candidates, 1, 1, 1), and the candidate's index (int32, same shape).
+    # (candidates, 1, 1, 1), and the candidate's index (int32, same shape); then each run's low-end ratio (runs,
+    # 1, 1, 1).
     key = (device, _CLIP_PAIRS)
     tables = _SEARCH_TABLES.get(key)
     if tables is None:
         pairs = torch.tensor(_CLIP_PAIRS, dtype=torch.float32)
         ids = torch.arange(len(_CLIP_PAIRS), dtype=torch.int32)
-        tables = tuple(t.view(-1, 1, 1, 1).to(device) for t in (pairs[:, 0], pairs[:, 1] / _INT4_TOP, ids))
+        runs = torch.tensor([ratio for _, _, ratio in _CLIP_RUNS], dtype=torch.float32)
+        tables = tuple(t.view(-1, 1, 1, 1).to(device) for t in (pairs[:, 0], pairs[:, 1] / _INT4_TOP, ids, runs))
         _SEARCH_TABLES[key] = tables
     return tables
 
 
-def _quantize_fp6(blocks: Tensor, amax: Tensor) -> dict[str, Tensor]:
+def _quantize_fp6(shape: torch.Size, amax: Tensor, chunks: Chunks) -> dict[str, Tensor]:
     # Absmax onto e3m2's largest value, rounded up to bf16 (the int8 rule): x / scale <= 28, so nothing clips.
-    n_rows = blocks.shape[0]
     raw = amax / fp6.E3M2_MAX
     # A group whose amax / 28 is 0 (all zeros, or underflow) gets scale 1: its codes are then zeros.
     scales = round_up_to_bf16(torch.where(raw == 0, 1.0, raw))
     # fp6.encode_e3m2 without its clamp (nothing exceeds 28 here): e5m2 bytes of x / scale * 2^-12.
-    e5m2 = torch.div(blocks, scales).mul_(2.0**-12).to(torch.float8_e5m2).view(torch.uint8)
-    codes = fp6.e5m2_to_e3m2(e5m2)
-    n_groups, group = blocks.shape[1:]
-    return {"codes": codes.view(n_rows, n_groups * group), "scales": scales.view(n_rows, n_groups).to(torch.bfloat16)}
+    e5m2 = torch.empty(shape, dtype=torch.float8_e5m2, device=amax.device)
+    for rows, x in chunks():
+        e5m2[rows] = x.div_(scales[rows]).mul_(2.0**-12)
+    return {"codes": fp6.e5m2_to_e3m2(e5m2.view(torch.uint8)), "scales": scales.squeeze(-1).to(torch.bfloat16)}
 
 
 def _to_bf16(x: Tensor) -> Tensor:
     return x.to(torch.bfloat16).float()
 
 
-def _quantize_nf4(blocks: Tensor, amax: Tensor, double_quant: bool) -> dict[str, Tensor]:
-    n_rows, n_groups = blocks.shape[:2]
+def _quantize_nf4(shape: torch.Size, amax: Tensor, double_quant: bool, chunks: Chunks) -> dict[str, Tensor]:
+    n_rows, n_groups = shape[:2]
     absmax = amax.view(n_rows, n_groups)
     if not double_quant:
         # bitsandbytes' arithmetic exactly: multiply by the reciprocal (not divide), then the level below or at
         # each value (a value equal to a midpoint goes to the lower code, as bucketize's right=False does).
-        scaled = torch.mul(blocks, (1.0 / absmax.clamp(min=1e-38))[..., None])
-        return {"codes": _nf4_codes(scaled).view(n_rows, n_groups * blocks.shape[2]), "absmax": absmax}
+        return {"codes": _nf4_chunks(shape, 1.0 / amax.clamp(min=1e-38), chunks), "absmax": absmax}
     # Rows' group absmaxes as int8 around the row's mean (a per-row analogue of bitsandbytes' nested quantization,
     # so the row contract holds). The codes are then chosen against the absmax the dequantizer will rebuild, which
     # makes each element the nearest level of the grid it is actually stored on.
@@ -484,8 +534,15 @@ def _quantize_nf4(blocks: Tensor, amax: Tensor, double_quant: bool) -> dict[str,
     # A group whose rebuilt absmax is <= 0 (tiny next to its row's spread) is stored as zeros (its true absmax is
     # within half an absmax step of 0 anyway): a zero reciprocal scales it to 0, whose level is the zero code.
     recip = torch.where(stored > 0, 1.0 / stored.clamp(min=1e-38), 0.0)
-    scaled = torch.mul(blocks, recip[..., None])
-    return {"codes": _nf4_codes(scaled).view(n_rows, n_groups * blocks.shape[2]), **parts}
+    return {"codes": _nf4_chunks(shape, recip[..., None], chunks), **parts}
+
+
+def _nf4_chunks(shape: torch.Size, recip: Tensor, chunks: Chunks) -> Tensor:
+    # The NF4 codes of x * recip (``recip`` per group, (rows, groups, 1)), chunk by chunk.
+    codes = torch.empty(shape, dtype=torch.uint8, device=recip.device)
+    for rows, x in chunks():
+        codes[rows] = _nf4_codes(x.mul_(recip[rows]))
+    return codes
 
 
 def _nf4_codes(scaled: Tensor) -> Tensor:
