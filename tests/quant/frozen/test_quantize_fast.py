@@ -46,7 +46,9 @@ def _gaussian(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 def _student_t(rows: int, cols: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    chi2 = torch.distributions.Chi2(3.0).sample((rows, cols))
+    # Chi-squared with 3 degrees of freedom as a sum of 3 squared normals, from the seeded generator (a
+    # torch.distributions sample would draw from the global generator, so depend on the tests run before).
+    chi2 = torch.randn(3, rows, cols, generator=gen).square().sum(0)
     return torch.randn(rows, cols, generator=gen) / (chi2 / 3).sqrt() * 0.02
 
 
