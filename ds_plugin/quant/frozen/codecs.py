@@ -119,9 +119,9 @@ _LSQ_STEPS = 3
 _SCALE_REFITS = 1
 # Elements per pass. On a CPU a pass's fp32 temporaries should stay in the core's L2 cache (1-2 MB): 64K elements
 # (256 KB each; the INT4 search reuses four such buffers across its candidates; measured best of 16K..256K).
-# Elements per block, whose per-group steps run as one op each and whose codes are packed at once (integer ops on
-# 8-byte words): 1M (a 4 MB fp32 copy of the block). An accelerator wants large passes instead (each op is a kernel
-# launch); those sizes bound its temporaries to ~2 GB.
+# Elements per block, whose per-group steps run as one op each: 1M (its per-group values, 1/64 as many, stay in
+# the cache). Codes are packed (integer ops on 8-byte words) 256K at a time. An accelerator wants large passes
+# instead (each op is a kernel launch); those sizes bound its temporaries to ~2 GB.
 _CHUNK_ELEMENTS = {"cpu": 1 << 16, "device": 1 << 26}
 _BLOCK_ELEMENTS = {"cpu": 1 << 20, "device": 1 << 26}
 _PACK_ELEMENTS = {"cpu": 1 << 18, "device": 1 << 26}
@@ -350,7 +350,6 @@ def _quantize_rows(rows: Tensor, fmt: str, group_size: int, method: str, step: i
 # (``quantize_weight`` refuses those), table lookups where there were searches, and fp32 -> int8 conversions (codes
 # of 0..127 are the same bytes as uint8, and the conversion is several times faster).
 
-Spans = list[tuple[int, int]]
 # Yields (rows, that chunk of the block in fp32) for each chunk in turn, in a buffer the caller may overwrite.
 Chunks = Callable[[], Iterator[tuple[slice, Tensor]]]
 
