@@ -4,7 +4,8 @@ Public verbs: `load_config` (a preset name, a DeepSpeed JSON/YAML path, or a dic
 config -> ZeRO engine), `init_distributed` (DeepSpeed's: the process group, a 10-minute collective
 timeout), `apply_zero`, `quantize_frozen_` (frozen Linear weights stored as INT8 / INT4 / NF4),
 `save_adapter` (a peft adapter trained at any ZeRO stage, saved whole), `load_pretrained` (a Hugging Face
-safetensors checkpoint streamed into a ZeRO model, each rank reading only its rows), and the config types. Importing the
+safetensors checkpoint streamed into a ZeRO model, each rank reading only its rows), `gathered_for_generation` (a
+ZeRO-3 model gathered once for `generate`, resharded after), and the config types. Importing the
 package also makes the Lightning strategy names (zero0..zero3, zero3_offload, zeropp) available: at once when
 Lightning is already imported, else the moment it is.
 """
@@ -52,6 +53,10 @@ def __getattr__(name: str):
         from ds_plugin.checkpoint.hf_stream import load_pretrained
 
         return load_pretrained
+    if name == "gathered_for_generation":
+        from ds_plugin.zero.generation import gathered_for_generation
+
+        return gathered_for_generation
     if name == "quantize_frozen_":
         from ds_plugin.quant.frozen.quantize import quantize_frozen_
 

@@ -36,6 +36,7 @@ from ds_plugin.quant.frozen.quantize import load_quantized_parts, quantized_part
 from ds_plugin.runtime.comms_logger import CommsLogger
 from ds_plugin.runtime.faults import peer_failure_guard
 from ds_plugin.zero.apply import is_zero_applied
+from ds_plugin.zero.generation import gathered_for_generation
 from ds_plugin.zero.mesh import ZeroSetupError, torch_dtype
 from ds_plugin.zero.optimizer import (
     LocalShards,
@@ -198,6 +199,23 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         """Put the module in evaluation mode."""
         return self.train(False)
+
+    def gathered_for_generation(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """A block in which the ZeRO-3 model is gathered once and stays gathered (see `gathered_for_generation`)."""
+        return gathered_for_generation(self.module)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's `generate(...)` (Hugging Face's, with its KV cache) with the model gathered once for the
+        whole call instead of once per token, then resharded; call it on every rank, each with its own prompts.
+        Training continues unchanged after it."""
+        generate = getattr(self.module, "generate", None)
+        if not callable(generate):
+            raise ZeroSetupError(
+                f"generate: {type(self.module).__name__} has no generate method; use `with "
+                "engine.gathered_for_generation():` around your own decoding loop"
+            )
+        with peer_failure_guard("generate", self.global_steps, self.resume_hint), self.gathered_for_generation():
+            return generate(*args, **kwargs)
 
     # ------------------------------------------------------------------ micro-steps
 
