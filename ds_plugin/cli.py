@@ -32,6 +32,7 @@ BENCHMARKS = {
     "kernel-resources": "benchmarks.kernel_resources",
     "quantize": "benchmarks.quantize",
     "big-model": "benchmarks.big_model",
+    "generate": "benchmarks.generate",
 }
 NO_CHECKOUT = (
     "needs the repository checkout (benchmarks/ is not installed): run it from a clone installed with "

@@ -36,6 +36,7 @@ WORK = {
     "big-model": "run",
     "comm": "run",
     "fp8": "benchmark",
+    "generate": "run",
     "kernels": "benchmark",
     "kernel-resources": "report",
     "lora-memory": "run",
@@ -217,6 +218,17 @@ BENCH_FLAGS: dict[str, Spec] = {
         "--out": (["new/big.json"], bad_output),
         "--timeout": (["600"], bad_float(0, WEEK, above=True)),
     },
+    "generate": {
+        "--world-size": (["2"], bad_int(1, 1024)),
+        "--hidden": (["64"], bad_int()),
+        "--layers": (["2"], bad_int()),
+        "--vocab": (["256"], bad_int()),
+        "--batch": (["1"], bad_int()),
+        "--prompt": (["4"], bad_int()),
+        "--new-tokens": (["4"], bad_int()),
+        "--repeats": (["1"], bad_int()),
+        "--out": (["new/generate.json"], bad_output),
+    },
     "comm": {
         "--steps": (["1", "2"], bad_int()),
         "--n-layer": (["2"], bad_int()),
@@ -310,6 +322,7 @@ BENCH_SWITCHES = {
 }
 BENCH_SWITCHES |= {"lora-memory": ["--json", "--no-isolate"], "peers": ["--json"], "slow-link": ["--json"]}
 BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"], "kernel-resources": ["--json"], "quantize": ["--json"]}
+BENCH_SWITCHES |= {"generate": ["--json"]}
 assert set(BENCH_FLAGS) == set(BENCHMARKS) == set(BENCH_SWITCHES)
 
 ESTIMATE_FLAGS: Spec = {
