@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ds_plugin.optimizer_config import build_optimizer, build_scheduler
+from ds_plugin.optimizer_config import SchedulerConfig, build_optimizer, build_scheduler
 from ds_plugin.presets import ConfigSource
 from ds_plugin.runtime.comms_logger import comms_logger_from_config
 from ds_plugin.zero.apply import apply_plan, has_fp8_layers, is_zero_applied
@@ -115,15 +115,17 @@ def setup_zero(
     return engine
 
 
-def attach_config_scheduler(engine: ZeroEngine) -> None:
+def attach_config_scheduler(engine: ZeroEngine, block: SchedulerConfig | None = None) -> None:
     """Build the config's `scheduler` block on the engine's optimizer and let the engine step it (DeepSpeed's rule:
     the JSON's scheduler applies when none is passed in code, whichever built the optimizer).
 
     Args:
         engine: an engine with an optimizer; nothing happens without a `scheduler` block.
+        block: the block to build; default the engine's plan's (an adapter passes the one it filled "auto" in since).
     """
-    if engine.plan.scheduler is not None and engine.optimizer is not None:
-        engine.set_lr_scheduler(build_scheduler(engine.plan.scheduler, engine.optimizer))
+    block = block if block is not None else engine.plan.scheduler
+    if block is not None and engine.optimizer is not None:
+        engine.set_lr_scheduler(build_scheduler(block, engine.optimizer))
 
 
 def _comms_logger(plan: ZeroPlan, mesh: DeviceMesh) -> Any:
