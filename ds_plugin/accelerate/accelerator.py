@@ -82,6 +82,7 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         if self._fp8:
             # Accelerate's fp8 needs torchao/TE/MS-AMP; here it is the config's fp8 block on bf16 compute.
             kwargs["mixed_precision"] = "bf16"
+        json_steps = self._json_accumulation(kwargs)
         handlers = list(kwargs.get("kwargs_handlers") or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             # A dead or frozen rank should end the job in minutes, not torch's 30 (see ds_plugin.runtime.faults).
@@ -92,6 +93,8 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
                 f"distributed_type {self.distributed_type.value} is not supported by ds_plugin; launch with MULTI_GPU "
                 "(also on CPU), MULTI_CPU or one process"
             )
+        if json_steps is not None:
+            self.gradient_accumulation_steps = json_steps  # Accelerate's DeepSpeed rule: the JSON's, when not given
         # DeepSpeed's mixed precision: the engine computes in the config's dtype; no autocast, no GradScaler.
         self.native_amp = False
         self.scaler = None
@@ -100,6 +103,27 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         self._micro_batch: int | None = None
         self._source_optimizers: list[torch.optim.Optimizer] = []
         self._auto_values: dict[str, Any] = {}  # "auto" params of the JSON's optimizer/scheduler, from DummyOptim/...
+
+    def _json_accumulation(self, kwargs: dict[str, Any]) -> int | None:
+        """The JSON's `gradient_accumulation_steps` when the Accelerator was given none (Accelerate's DeepSpeed rule);
+        a different value given to the Accelerator is a one-line error, before the process group starts."""
+        config = self.zero_plugin.training_config
+        steps = config.gradient_accumulation_steps
+        if not isinstance(steps, int) or "gradient_accumulation_steps" not in config.explicit_keys:
+            return None
+        plugin = kwargs.get("gradient_accumulation_plugin")
+        given = kwargs.get("gradient_accumulation_steps")
+        given = plugin.num_steps if plugin is not None else given
+        env = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+        given = int(env) if given is None and env else given
+        if given is None or (plugin is None and given == 1 and "gradient_accumulation_steps" not in kwargs):
+            return steps if self.zero_plugin.gradient_accumulation_steps is None else None
+        if int(given) != steps:
+            raise ConfigError(
+                f"gradient_accumulation_steps: the config says {steps} but Accelerator(gradient_accumulation_steps="
+                f'{given}); set it in one place (or write "auto" in the config)'
+            )
+        return None
 
     # ------------------------------------------------------------------ the engine
 
@@ -348,6 +372,12 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
             size = dataloader_batch_size(data_loader)
             if size:
                 self._micro_batch = max(1, size // self.num_processes) if self.split_batches else size
+                micro = self.zero_plugin.training_config.train_micro_batch_size_per_gpu
+                if isinstance(micro, int) and micro != self._micro_batch:
+                    raise ConfigError(
+                        f"train_micro_batch_size_per_gpu: the config says {micro} but the DataLoader gives "
+                        f'{self._micro_batch} per process; make them agree (or write "auto" in the config)'
+                    )
         return super().prepare_data_loader(data_loader, device_placement=device_placement, **kwargs)
 
     # ------------------------------------------------------------------ steps

@@ -10,6 +10,9 @@ four of its steps are mapped here, each only when the Trainer's accelerator is a
 * the Accelerator's arguments: a `ZeroPlugin` whose "auto" values come from `TrainingArguments`
   (`gradient_accumulation_steps`, `max_grad_norm`; precision and batch size reach the Accelerator anyway), as
   transformers' own DeepSpeed integration fills them.
+* the collective timeout: transformers' default `ddp_timeout` (1800 s, set as a default) becomes ds_plugin's
+  (`DS_PLUGIN_TIMEOUT`, default 10 minutes), so a dead rank ends the run as soon as outside the Trainer; any other
+  `ddp_timeout` is kept.
 * `save_model`: every rank gathers the full weights (a peft model: its trainable ones), rank 0 writes them with
   `save_pretrained`, so `from_pretrained` / `PeftModel.from_pretrained` read the result.
 * checkpoints (`save_steps`, `resume_from_checkpoint`): the optimizer state is the engine's sharded DCP directory
@@ -31,6 +34,7 @@ from typing import Any
 from ds_plugin.accelerate.checkpoint import has_engine_state, load_engine_state, save_engine_state
 from ds_plugin.accelerate.plugin import CONFIG_ENV, ZeroPlugin
 from ds_plugin.config import ConfigError
+from ds_plugin.runtime.faults import default_timeout
 
 __all__ = ["install_transformers_hooks"]
 
@@ -107,10 +111,20 @@ def _take_deepspeed_config(args: Any) -> None:
         ZeroPlugin.from_env()  # raises, naming the variable
 
 
+_HF_DEFAULT_TIMEOUT = 1800  # TrainingArguments.ddp_timeout's default
+
+
+def _collective_timeout(args: Any) -> None:
+    """ds_plugin's collective timeout where `ddp_timeout` is transformers' default; read before the group starts."""
+    if getattr(args, "ddp_timeout", None) == _HF_DEFAULT_TIMEOUT:
+        args.ddp_timeout = max(1, int(default_timeout().total_seconds()))
+
+
 def _hook_training_args(module: ModuleType) -> None:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __post_init__(self: Any) -> None:
             _take_deepspeed_config(self)
+            _collective_timeout(self)
             original(self)
 
         return __post_init__

@@ -34,3 +34,9 @@ def test_json_optimizer_and_schedule_train_like_torch(result: dict) -> None:
 def test_dummy_optim_without_an_optimizer_block_is_one_line(result: dict) -> None:
     msg = result["errors"]["no_optimizer_block"]
     assert "\n" not in msg and "no optimizer block" in msg and '"optimizer"' in msg
+
+
+def test_json_accumulation_and_micro_batch_rules(result: dict) -> None:
+    assert result["json_accumulation"] == [4, 4]
+    msg = result["errors"]["micro_batch"]
+    assert "\n" not in msg and "train_micro_batch_size_per_gpu: the config says 8" in msg and "gives 4" in msg

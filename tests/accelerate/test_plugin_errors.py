@@ -135,3 +135,23 @@ def test_script_building_accelerates_deepspeed_plugin_gets_one_line(tmp_path: Pa
     assert "process group started: False" in lines
     assert lines[-1].startswith("ds_plugin.accelerate: Accelerator(deepspeed_plugin=...)"), proc.stdout
     assert "Traceback" not in proc.stdout
+
+
+def test_accumulation_conflicting_with_the_json_fails_before_the_process_group() -> None:
+    plugin = ZeroPlugin({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ConfigError, match=r"config says 4 but Accelerator\(gradient_accumulation_steps=2\)") as info:
+        Accelerator(zero_plugin=plugin, gradient_accumulation_steps=2)
+    one_line(str(info.value))
+    assert_nothing_started()
+
+
+def test_hf_trainer_default_ddp_timeout_becomes_ds_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from ds_plugin.accelerate.hf import _collective_timeout
+
+    monkeypatch.setenv("DS_PLUGIN_TIMEOUT", "120")
+    default, chosen = SimpleNamespace(ddp_timeout=1800), SimpleNamespace(ddp_timeout=900)
+    _collective_timeout(default)
+    _collective_timeout(chosen)
+    assert (default.ddp_timeout, chosen.ddp_timeout) == (120, 900)

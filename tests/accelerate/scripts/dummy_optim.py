@@ -101,6 +101,21 @@ def main() -> None:
     result["errors"] = {
         "no_optimizer_block": one_line_error(lambda: plain.prepare(other, AccelerateDummyOptim(other.parameters()))),
     }
+    plain.free_memory()
+
+    # Accelerate's DeepSpeed rules: the JSON's accumulation when the Accelerator is given none; its micro batch must
+    # be the DataLoader's.
+    json_gas = Accelerator(
+        zero_plugin=ZeroPlugin({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}})
+    )
+    net = model()
+    net, _ = json_gas.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    result["json_accumulation"] = [json_gas.gradient_accumulation_steps, json_gas.engine.gradient_accumulation_steps]
+    json_gas.free_memory()
+    micro = Accelerator(
+        zero_plugin=ZeroPlugin({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}})
+    )
+    result["errors"]["micro_batch"] = one_line_error(lambda: micro.prepare(DataLoader(data(), batch_size=4)))
     with open(args.out, "w") as f:
         json.dump(result, f)
 
