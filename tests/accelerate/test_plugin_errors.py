@@ -95,7 +95,9 @@ def test_accelerate_plugins_are_refused_before_the_process_group() -> None:
     [
         (["--ds-config", "missing.json"], {}, "missing.json'?: cannot read the config"),
         (["--ds-config", "bad.json"], {}, "zero_optimization.stage: 9 is not a ZeRO stage"),
-        (["--ds-config", "zero3"], {"ACCELERATE_USE_DEEPSPEED": "true"}, "distributed_type: DEEPSPEED"),
+        # A DEEPSPEED Accelerate config is read (tests/accelerate/test_deepspeed_yaml.py); its JSON is checked first.
+        ([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "missing.json"}, "cannot read"),
+        ([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "9"}, "stage: 9 is not a ZeRO"),
         (["--ds-config", "zero3"], {"ACCELERATE_USE_FSDP": "true"}, "distributed_type: FSDP"),
     ],
 )
@@ -155,3 +157,13 @@ def test_hf_trainer_default_ddp_timeout_becomes_ds_plugins(monkeypatch: pytest.M
     _collective_timeout(default)
     _collective_timeout(chosen)
     assert (default.ddp_timeout, chosen.ddp_timeout) == (120, 900)
+
+
+def test_ds_config_beats_a_deepspeed_accelerate_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import os\nraise SystemExit('the script ran with ' + os.environ['ACCELERATE_USE_DEEPSPEED'])\n")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    with pytest.raises(SystemExit, match="the script ran with false"):
+        bootstrap_main(["--ds-config", "zero3", str(script)])
+    assert ZeroPlugin.from_env().training_config.stage == 3
