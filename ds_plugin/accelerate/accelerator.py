@@ -246,8 +246,16 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
     def _take_auto_values(self, optimizer: Any, scheduler: Any) -> None:
         """Record what DummyOptim / DummyScheduler say for the JSON's "auto" params (Accelerate's rule)."""
         values = auto_values(optimizer, scheduler, num_processes=self.num_processes, split_batches=self.split_batches)
-        if not values:
-            return
+        if values:
+            self.fill_config_auto(values)
+
+    def fill_config_auto(self, values: dict[str, Any]) -> None:
+        """Values for "auto" params of the config's `optimizer` / `scheduler` blocks (what the HF Trainer's arguments
+        or `DummyOptim` / `DummyScheduler` say); only "auto" is replaced.
+
+        Args:
+            values: dotted key -> value, e.g. {"optimizer.params.lr": 3e-4, "scheduler.params.total_num_steps": 100}.
+        """
         self._auto_values.update(values)
         if self._plan is not None:  # the model was prepared first: fill the plan it was resolved into
             opt, sched = fill_auto(self._plan.optimizer, self._plan.scheduler, self._auto_values)
