@@ -31,7 +31,7 @@ from typing import Any
 
 from ds_plugin._schema import AUTO, ConfigError, option
 
-__all__ = ["OptimizerConfig", "SchedulerConfig", "build_optimizer", "build_scheduler", "fill_auto"]
+__all__ = ["OptimizerConfig", "SchedulerConfig", "build_optimizer", "build_scheduler", "fill_auto", "refuse_auto"]
 
 # DeepSpeed's optimizer types that need its compiled ops or other packages: lower-cased name -> (its spelling, the
 # closest type built here, why it is not built).
@@ -196,7 +196,7 @@ def build_optimizer(config: OptimizerConfig, params: list[Any]) -> Any:
     Raises:
         ConfigError: an "auto" value was not filled.
     """
-    _refuse_auto(config.params, "optimizer")
+    refuse_auto(config.params, "optimizer")
     cls = _optimizer_class(config.type, config.params)
     kwargs = dict(config.params)
     if config.type.lower() in _ADAM:
@@ -218,11 +218,17 @@ def build_scheduler(config: SchedulerConfig, optimizer: Any) -> Any:
     Raises:
         ConfigError: an "auto" value was not filled.
     """
-    _refuse_auto(config.params, "scheduler")
+    refuse_auto(config.params, "scheduler")
     return _scheduler_class(config.type)(optimizer, **config.params)
 
 
-def _refuse_auto(params: Mapping[str, Any], block: str) -> None:
+def refuse_auto(params: Mapping[str, Any], block: str) -> None:
+    """Raise the one-line `ConfigError` for the first "auto" param that nothing filled.
+
+    Args:
+        params: the block's params.
+        block: "optimizer" or "scheduler", for the message.
+    """
     for key, value in params.items():
         if value == AUTO:
             raise ConfigError(

@@ -14,7 +14,7 @@ from ds_plugin.config import ConfigError, TrainingConfig, from_deepspeed
 from ds_plugin.deepspeed import zero
 from ds_plugin.deepspeed.comm import init_distributed
 from ds_plugin.deepspeed.engine import DeepSpeedEngine
-from ds_plugin.optimizer_config import build_optimizer
+from ds_plugin.optimizer_config import build_optimizer, refuse_auto
 from ds_plugin.zero.mesh import data_parallel_mesh
 from ds_plugin.zero.plan import resolve_plan
 from ds_plugin.zero.setup import FROM_CONFIG, attach_config_scheduler, repoint_scheduler, setup_zero
@@ -127,6 +127,11 @@ def initialize(
     if mpu is not None or mesh_param is not None:
         raise ValueError("initialize: mpu / mesh_param (model or sequence parallelism) are not part of ds_plugin")
     cfg = _read_config(args, config, config_params)
+    # Nothing fills "auto" here (DeepSpeed refuses it too): say so before the process group starts.
+    if optimizer is None and cfg.optimizer is not None:
+        refuse_auto(cfg.optimizer.params, "optimizer")
+    if lr_scheduler is None and cfg.scheduler is not None:
+        refuse_auto(cfg.scheduler.params, "scheduler")
     spec = _optimizer_spec(optimizer, model_parameters, cfg, model)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     mesh = data_parallel_mesh()

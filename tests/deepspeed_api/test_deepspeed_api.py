@@ -169,6 +169,10 @@ def test_refusals_are_one_line_before_any_process_group(tmp_path: Path):
         ),
         (lambda: deepspeed.initialize(model=net, config={"optimizer": {"type": "OneBitAdam"}}), 'use "Adam"'),
         (lambda: deepspeed.initialize(model=net, config={"zero_optimization": {"stag": 3}}), "did you mean"),
+        (
+            lambda: deepspeed.initialize(model=net, config={"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}),
+            'optimizer.params.lr: "auto" is not resolved',
+        ),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError) as err:
