@@ -44,8 +44,6 @@ ZERO_IGNORED = {
 }
 
 TOP_LEVEL_IGNORED = {
-    "optimizer": "build the optimizer in code (torch.optim or configure_optimizers); ZeRO shards whatever you pass",
-    "scheduler": "build the LR scheduler in your code; it works unchanged on the sharded optimizer",
     "steps_per_print": "progress is reported by the framework's logger",
     "wall_clock_breakdown": DS_RUNTIME_ONLY,
     "memory_breakdown": "use `ds-plugin bench zero-memory`",

@@ -8,6 +8,7 @@ Every config section is a frozen dataclass whose fields carry their rules in `me
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -36,6 +37,7 @@ def option(
     ignored: str | None = None,
     ignored_values: tuple[Any, ...] | None = None,
     factory: Callable[[], Any] | None = None,
+    omit_none: bool = False,
 ) -> Any:
     """A dataclass field with the rules the parser enforces.
 
@@ -50,6 +52,7 @@ def option(
         ignored_values: report the key only when set to one of these (None: any value). For a switch whose
             other value is exactly what happens anyway, e.g. a feature not built yet turned off.
         factory: default factory for nested sections.
+        omit_none: leave the key out of `emit_section`'s output while it is None (an optional block).
     """
     meta = {
         "doc": doc,
@@ -61,6 +64,7 @@ def option(
         "auto": auto,
         "ignored": ignored,
         "ignored_values": ignored_values,
+        "omit_none": omit_none,
     }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -97,7 +101,7 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if get_origin(tp) is tuple:
         return "a list"
-    if dataclasses.is_dataclass(tp):
+    if get_origin(tp) is dict or dataclasses.is_dataclass(tp):
         return "an object"
     return str(tp)
 
@@ -145,6 +149,13 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif get_origin(tp) is dict:
+        # A free-form block (an optimizer's or scheduler's params): its section's __post_init__ checks the keys.
+        if isinstance(value, Mapping):
+            for k in value:
+                if not isinstance(k, str):
+                    raise ConfigError(f"{path}: keys must be strings, got {k!r:.40}")
+            return copy.deepcopy(dict(value))
     elif get_origin(tp) is tuple:
         if isinstance(value, list | tuple):
             (item_tp, _) = get_args(tp)
@@ -267,8 +278,12 @@ def emit_section(obj: Any) -> dict[str, Any]:
         if f.metadata.get("internal"):
             continue
         value = getattr(obj, f.name)
+        if value is None and f.metadata.get("omit_none"):
+            continue  # an optional block the user did not write stays out of the written-back config
         if dataclasses.is_dataclass(value):
             value = emit_section(value)
+        elif isinstance(value, dict):
+            value = copy.deepcopy(value)
         elif isinstance(value, tuple):
             value = list(value)
         out[json_key(f)] = value

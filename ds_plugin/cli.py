@@ -1,4 +1,4 @@
-"""The `ds-plugin` command: env, check-config, estimate, export, bench (the last from a repository checkout only).
+"""The `ds-plugin` command: env, check-config, estimate, export, launch, bench (the last from a checkout only).
 
 Every user mistake ends in one line on stderr and exit code 2; never a traceback. Mistakes in the command line
 fail while it is parsed (`ds_plugin._argparse`), mistakes in the files it names raise `UsageError`,
@@ -205,6 +205,15 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         return _exit_code(exc)
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from ds_plugin.deepspeed.launcher import LaunchError, run_launch
+
+    try:
+        return run_launch(args)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def build_parser() -> ArgumentParser:
     """The `ds-plugin` parser; `ds-plugin bench NAME` hands the rest of the line to the benchmark's own parser."""
     from ds_plugin.estimate import FROZEN_FORMATS
@@ -263,6 +272,16 @@ def build_parser() -> ArgumentParser:
     p.add_argument("out_dir", type=output_dir, help="where model.safetensors (and config.json) go; created")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast the weights (default: as saved)")
     p.set_defaults(func=_cmd_export, parser=p)
+
+    p = sub.add_parser(
+        "launch",
+        help="the `deepspeed` launcher's flags: start a script's ranks through torchrun (CPU too)",
+        description="Start SCRIPT on every rank as `deepspeed` does (--local_rank=<i> first, then your arguments).",
+    )
+    from ds_plugin.deepspeed.launcher import add_launch_arguments
+
+    add_launch_arguments(p)
+    p.set_defaults(func=_cmd_launch, parser=p)
 
     p = sub.add_parser(
         "bench",

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from ds_plugin._config_file import read_config_file
 from ds_plugin._ignored_keys import DS_RUNTIME_ONLY, FSDP_BUCKETS, TOP_LEVEL_IGNORED, ZERO_IGNORED
 from ds_plugin._schema import AUTO, ConfigError, emit_section, option, parse_section, written_fields
+from ds_plugin.optimizer_config import OptimizerConfig, SchedulerConfig
 
 __all__ = [
     "AUTO",
@@ -32,6 +33,8 @@ __all__ = [
     "FP16Config",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
     "TrainingConfig",
     "ZeroConfig",
     "from_deepspeed",
@@ -323,6 +326,12 @@ class TrainingConfig:
     communication_data_type: DType | None = option(None, doc="gradient reduction dtype (null: the compute dtype)")
     data_types: DataTypesConfig = option(doc="accumulation dtypes", factory=DataTypesConfig)
     comms_logger: CommsLoggerConfig = option(doc="collective logging", factory=CommsLoggerConfig)
+    optimizer: OptimizerConfig | None = option(
+        None, doc="the optimizer built on the fp32 masters when none is passed in code", omit_none=True
+    )
+    scheduler: SchedulerConfig | None = option(
+        None, doc="the LR schedule stepped after every optimizer step when none is passed in code", omit_none=True
+    )
     host_memory_reuse: bool = option(
         True,
         doc="ds_plugin: training on CPU, glibc malloc keeps freed memory for reuse instead of re-faulting it each "

@@ -144,8 +144,15 @@ def test_auto_values_are_kept_then_resolved():
     cfg = from_deepspeed(CONFIGS / "hf_trainer_zero3_auto.json")
     assert cfg.train_micro_batch_size_per_gpu == AUTO and cfg.gradient_clipping == AUTO
     assert "fp16.enabled" in cfg.unresolved()
-    fw = FrameworkSettings(owner="T", precision="bf16", micro_batch_size=2, accumulation=3, clip=0.5)
-    r = resolve_plan(cfg, world_size=4, framework=fw).config
+    # The optimizer and scheduler blocks' "auto" params come from the framework (the HF Trainer's arguments).
+    hf = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    auto = {f"optimizer.params.{k}": v for k, v in hf.items()}
+    auto |= {"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": 3e-4}
+    auto["scheduler.params.warmup_num_steps"] = 5
+    fw = FrameworkSettings(owner="T", precision="bf16", micro_batch_size=2, accumulation=3, clip=0.5, auto_values=auto)
+    plan = resolve_plan(cfg, world_size=4, framework=fw)
+    r = plan.config
+    assert plan.optimizer.params == hf and plan.scheduler.params["warmup_num_steps"] == 5
     assert (r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps, r.train_batch_size) == (2, 3, 24)
     assert r.gradient_clipping == 0.5 and r.compute_dtype == "bf16" and r.fp16.enabled is False
     # Bucket sizes stay "auto": they have no effect here, so nothing needs their value.

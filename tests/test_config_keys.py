@@ -67,6 +67,10 @@ ACTS: dict[str, str] = {
     "comms_logger.debug": "runtime/comms_logger.py",
     "host_memory_reuse": "zero/apply.py: reuse_freed_host_memory (true) / release_freed_host_memory (false) on CPU",
     "non_finite_gradients": "zero/engine.py: stop or skip at an inf/nan gradient without loss scaling",
+    "optimizer.type": "optimizer_config.py: the optimizer initialize builds on the fp32 masters",
+    "optimizer.params": "optimizer_config.py: that optimizer's arguments",
+    "scheduler.type": "lr_schedules.py: the LR schedule the engine steps",
+    "scheduler.params": "lr_schedules.py: that schedule's arguments",
 }
 
 

@@ -21,7 +21,7 @@ import pytest
 from ds_plugin.cli import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("env", "check-config", "estimate", "export", "bench")
+COMMANDS = ("env", "check-config", "estimate", "export", "launch", "bench")
 
 
 @pytest.fixture(scope="module")

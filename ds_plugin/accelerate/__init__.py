@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ds_plugin.accelerate.accelerator import Accelerator
 from ds_plugin.accelerate.bootstrap import install
+from ds_plugin.accelerate.dummy import DummyOptim, DummyScheduler
 from ds_plugin.accelerate.plugin import CONFIG_ENV, ZeroPlugin
 
-__all__ = ["CONFIG_ENV", "Accelerator", "ZeroPlugin", "install"]
+__all__ = ["CONFIG_ENV", "Accelerator", "DummyOptim", "DummyScheduler", "ZeroPlugin", "install"]

@@ -19,6 +19,7 @@ compute (Accelerate's own FP8 backends are not used).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -33,16 +34,18 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ds_plugin.accelerate.checkpoint import EngineCheckpointing
+from ds_plugin.accelerate.dummy import AccelerateDummyOptim, AccelerateDummyScheduler, EngineScheduler, auto_values
 from ds_plugin.accelerate.optimizer import ZeroAcceleratedOptimizer
 from ds_plugin.accelerate.plugin import ZeroPlugin
 from ds_plugin.accelerate.settings import describe_plan, framework_settings, refuse_other_engines
 from ds_plugin.config import ConfigError
+from ds_plugin.optimizer_config import fill_auto
 from ds_plugin.runtime.faults import default_timeout
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
 from ds_plugin.zero.mesh import data_parallel_mesh
 from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, dataloader_batch_size, resolve_plan
-from ds_plugin.zero.setup import has_meta, repoint_scheduler, setup_zero
+from ds_plugin.zero.setup import FROM_CONFIG, attach_config_scheduler, has_meta, repoint_scheduler, setup_zero
 
 __all__ = ["Accelerator"]
 
@@ -79,6 +82,7 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         if self._fp8:
             # Accelerate's fp8 needs torchao/TE/MS-AMP; here it is the config's fp8 block on bf16 compute.
             kwargs["mixed_precision"] = "bf16"
+        json_steps = self._json_accumulation(kwargs)
         handlers = list(kwargs.get("kwargs_handlers") or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             # A dead or frozen rank should end the job in minutes, not torch's 30 (see ds_plugin.runtime.faults).
@@ -89,6 +93,8 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
                 f"distributed_type {self.distributed_type.value} is not supported by ds_plugin; launch with MULTI_GPU "
                 "(also on CPU), MULTI_CPU or one process"
             )
+        if json_steps is not None:
+            self.gradient_accumulation_steps = json_steps  # Accelerate's DeepSpeed rule: the JSON's, when not given
         # DeepSpeed's mixed precision: the engine computes in the config's dtype; no autocast, no GradScaler.
         self.native_amp = False
         self.scaler = None
@@ -96,6 +102,28 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         self._plan: ZeroPlan | None = None
         self._micro_batch: int | None = None
         self._source_optimizers: list[torch.optim.Optimizer] = []
+        self._auto_values: dict[str, Any] = {}  # "auto" params of the JSON's optimizer/scheduler, from DummyOptim/...
+
+    def _json_accumulation(self, kwargs: dict[str, Any]) -> int | None:
+        """The JSON's `gradient_accumulation_steps` when the Accelerator was given none (Accelerate's DeepSpeed rule);
+        a different value given to the Accelerator is a one-line error, before the process group starts."""
+        config = self.zero_plugin.training_config
+        steps = config.gradient_accumulation_steps
+        if not isinstance(steps, int) or "gradient_accumulation_steps" not in config.explicit_keys:
+            return None
+        plugin = kwargs.get("gradient_accumulation_plugin")
+        given = kwargs.get("gradient_accumulation_steps")
+        given = plugin.num_steps if plugin is not None else given
+        env = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+        given = int(env) if given is None and env else given
+        if given is None or (plugin is None and given == 1 and "gradient_accumulation_steps" not in kwargs):
+            return steps if self.zero_plugin.gradient_accumulation_steps is None else None
+        if int(given) != steps:
+            raise ConfigError(
+                f"gradient_accumulation_steps: the config says {steps} but Accelerator(gradient_accumulation_steps="
+                f'{given}); set it in one place (or write "auto" in the config)'
+            )
+        return None
 
     # ------------------------------------------------------------------ the engine
 
@@ -105,12 +133,13 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         return self._engine
 
     def _framework(self) -> FrameworkSettings:
-        return framework_settings(
+        settings = framework_settings(
             self.zero_plugin,
             mixed_precision="fp8" if self._fp8 else self.state.mixed_precision,
             accumulation=self.gradient_accumulation_steps,
             micro_batch_size=self._micro_batch,
         )
+        return dataclasses.replace(settings, auto_values=dict(self._auto_values))
 
     def _mesh(self) -> Any:
         if not dist.is_initialized():
@@ -119,7 +148,7 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return data_parallel_mesh()
 
-    def _setup_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> ZeroEngine:
+    def _setup_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer | str | None) -> ZeroEngine:
         if self._engine is not None and self._engine.module is not model:
             raise ValueError(
                 "ds_plugin.accelerate.Accelerator trains one model (as DeepSpeed); prepare other models frozen, or "
@@ -188,7 +217,8 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         for i, obj in enumerate(args):
             if isinstance(obj, DataLoader):
                 out[i] = self.prepare_data_loader(obj, device_placement=placement[i])
-        optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)]
+        optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer | AccelerateDummyOptim)]
+        dummy_scheduler = next((obj for obj in args if isinstance(obj, AccelerateDummyScheduler)), None)
         if len(optimizers) > 1:
             raise ValueError(f"ds_plugin's Accelerator trains one optimizer (as DeepSpeed); got {len(optimizers)}")
         trained = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and self._trains(obj)]
@@ -200,15 +230,36 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
                 f"ds_plugin.accelerate.Accelerator trains one model (as DeepSpeed); {len(trained)} models with "
                 "trainable parameters were passed"
             )
+        optimizer = args[optimizers[0]] if optimizers else None
+        self._take_auto_values(optimizer, dummy_scheduler)
+        if isinstance(optimizer, AccelerateDummyOptim):
+            optimizer = FROM_CONFIG
         if trained:
-            optimizer = args[optimizers[0]] if optimizers else None
             self._prepare_trained(args[trained[0]], optimizer)
         if optimizers:
-            out[optimizers[0]] = self.prepare_optimizer(args[optimizers[0]])
+            out[optimizers[0]] = self.prepare_optimizer(optimizer)
         for i, obj in enumerate(args):
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler | AccelerateDummyScheduler):
                 out[i] = self.prepare_scheduler(obj)
         return tuple(out) if len(out) > 1 else out[0]
+
+    def _take_auto_values(self, optimizer: Any, scheduler: Any) -> None:
+        """Record what DummyOptim / DummyScheduler say for the JSON's "auto" params (Accelerate's rule)."""
+        values = auto_values(optimizer, scheduler, num_processes=self.num_processes, split_batches=self.split_batches)
+        if values:
+            self.fill_config_auto(values)
+
+    def fill_config_auto(self, values: dict[str, Any]) -> None:
+        """Values for "auto" params of the config's `optimizer` / `scheduler` blocks (what the HF Trainer's arguments
+        or `DummyOptim` / `DummyScheduler` say); only "auto" is replaced.
+
+        Args:
+            values: dotted key -> value, e.g. {"optimizer.params.lr": 3e-4, "scheduler.params.total_num_steps": 100}.
+        """
+        self._auto_values.update(values)
+        if self._plan is not None:  # the model was prepared first: fill the plan it was resolved into
+            opt, sched = fill_auto(self._plan.optimizer, self._plan.scheduler, self._auto_values)
+            self._plan = dataclasses.replace(self._plan, optimizer=opt, scheduler=sched)
 
     def _prepare_trained(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         engine = self._engine
@@ -223,7 +274,16 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         else:
             self._setup_with_optimizer(model, optimizer)
 
-    def _setup_with_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def _setup_with_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer | str) -> None:
+        if optimizer == FROM_CONFIG:
+            block = self._plan.optimizer if self._plan is not None else self.zero_plugin.training_config.optimizer
+            if block is None:
+                raise ValueError(
+                    'DummyOptim: the DeepSpeed config has no optimizer block; add one ("optimizer": {"type": "AdamW", '
+                    "...}) or pass a torch optimizer"
+                )
+            self._setup_engine(model, FROM_CONFIG)
+            return
         source = self._unwrap_optimizer(optimizer)
         engine = self._setup_engine(model, source)
         if source is not engine.optimizer:
@@ -261,6 +321,11 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         """
         if isinstance(optimizer, ZeroAcceleratedOptimizer) and optimizer.engine is self._engine:
             return optimizer
+        if isinstance(optimizer, AccelerateDummyOptim):
+            self._take_auto_values(optimizer, None)
+            optimizer = FROM_CONFIG
+        if optimizer == FROM_CONFIG and self._engine is not None and self._engine.optimizer is not None:
+            return self._wrapped_optimizer()
         if self._engine is None:
             raise ValueError(
                 "prepare the model before (or together with) its optimizer: the engine rebuilds the optimizer on the "
@@ -276,12 +341,32 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         """Accelerate's scheduler wrapper, re-pointed at the engine's optimizer if it was built on the original one.
 
         Args:
-            scheduler: an LR scheduler.
+            scheduler: an LR scheduler, or a `DummyScheduler`: the config's `scheduler` block (or its
+                `lr_scheduler_callable`) on the engine's optimizer, stepped by the engine.
         """
+        if isinstance(scheduler, AccelerateDummyScheduler):
+            return self._prepare_config_scheduler(scheduler)
         if self._engine is not None and self._engine.optimizer is not None:
             if any(getattr(scheduler, "optimizer", None) is opt for opt in self._source_optimizers):
                 repoint_scheduler(scheduler, self._engine.optimizer)
         return super().prepare_scheduler(scheduler)
+
+    def _prepare_config_scheduler(self, scheduler: Any) -> EngineScheduler:
+        engine = self._engine
+        if engine is None or engine.optimizer is None:
+            raise ValueError("DummyScheduler: prepare the model and its optimizer (or DummyOptim) first, or together")
+        if engine.lr_scheduler is None:
+            self._take_auto_values(None, scheduler)
+            if scheduler.lr_scheduler_callable is not None:
+                engine.set_lr_scheduler(scheduler.lr_scheduler_callable(engine.optimizer))
+            else:  # the plan's block, filled with this DummyScheduler's values above
+                attach_config_scheduler(engine, self._plan.scheduler)
+            if engine.lr_scheduler is None:
+                raise ValueError(
+                    'DummyScheduler: the DeepSpeed config has no scheduler block; add one ("scheduler": {"type": '
+                    '"WarmupLR", ...}) or pass a torch LR scheduler'
+                )
+        return EngineScheduler(engine)
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None, **kwargs: Any) -> Any:
         """Accelerate's dataloader; the first one's per-process batch size fills an "auto" micro batch size.
@@ -295,6 +380,12 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
             size = dataloader_batch_size(data_loader)
             if size:
                 self._micro_batch = max(1, size // self.num_processes) if self.split_batches else size
+                micro = self.zero_plugin.training_config.train_micro_batch_size_per_gpu
+                if isinstance(micro, int) and micro != self._micro_batch:
+                    raise ConfigError(
+                        f"train_micro_batch_size_per_gpu: the config says {micro} but the DataLoader gives "
+                        f'{self._micro_batch} per process; make them agree (or write "auto" in the config)'
+                    )
         return super().prepare_data_loader(data_loader, device_placement=device_placement, **kwargs)
 
     # ------------------------------------------------------------------ steps
@@ -381,4 +472,5 @@ class Accelerator(EngineCheckpointing, AccelerateAccelerator):
         self._engine = None
         self._plan = None
         self._source_optimizers = []
+        self._auto_values = {}
         return super().free_memory(*objects)

@@ -16,6 +16,7 @@ and trains alone unless `ACCELERATE_USE_CPU=true` (and `--cpu` / MULTI_CPU start
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import runpy
@@ -98,12 +99,41 @@ def _check_config(ds_config: str | None) -> None:
     """
     from ds_plugin.accelerate.settings import refuse_other_engines
 
+    _take_accelerate_deepspeed_config(ds_config)
     refuse_other_engines()
     if ds_config is not None:
         path = Path(ds_config)
         os.environ[CONFIG_ENV] = str(path.resolve()) if path.suffix or path.exists() else ds_config
     if os.environ.get(CONFIG_ENV, "").strip():
         ZeroPlugin.from_env()
+
+
+def _take_accelerate_deepspeed_config(ds_config: str | None) -> None:
+    """A `distributed_type: DEEPSPEED` Accelerate config becomes this run's DeepSpeed config (`deepspeed_yaml.py`);
+    Accelerate then sets up plain data parallel processes, and the engine does what DeepSpeed would."""
+    from ds_plugin.accelerate.deepspeed_yaml import (
+        deepspeed_block_from_env,
+        deepspeed_block_from_parent_yaml,
+        deepspeed_config_block,
+    )
+
+    block = deepspeed_block_from_env()
+    if block is not None:
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"  # Accelerate would start DeepSpeed itself
+    else:
+        block = deepspeed_block_from_parent_yaml()
+    if block is None:
+        return
+    if ds_config is not None or os.environ.get(CONFIG_ENV, "").strip():
+        logger.info(
+            "the DeepSpeed config given to ds_plugin is used instead of the Accelerate config's deepspeed_config"
+        )
+        return
+    config, ignored = deepspeed_config_block(block)
+    os.environ[CONFIG_ENV] = str(Path(config).resolve()) if isinstance(config, str) else json.dumps(config)
+    logger.info("Accelerate DeepSpeed config: %s", os.environ[CONFIG_ENV])
+    for key, reason in ignored.items():
+        logger.info("Accelerate config key without effect here: deepspeed_config.%s (%s)", key, reason)
 
 
 def _configure_logging(level: str) -> None:

@@ -10,6 +10,15 @@ four of its steps are mapped here, each only when the Trainer's accelerator is a
 * the Accelerator's arguments: a `ZeroPlugin` whose "auto" values come from `TrainingArguments`
   (`gradient_accumulation_steps`, `max_grad_norm`; precision and batch size reach the Accelerator anyway), as
   transformers' own DeepSpeed integration fills them.
+* the collective timeout: transformers' default `ddp_timeout` (1800 s, set as a default) becomes ds_plugin's
+  (`DS_PLUGIN_TIMEOUT`, default 10 minutes), so a dead rank ends the run as soon as outside the Trainer; any other
+  `ddp_timeout` is kept.
+* the DeepSpeed JSON's `optimizer` / `scheduler` blocks, as transformers' DeepSpeed integration uses them: with an
+  `optimizer` block and no optimizer passed to the Trainer, `create_optimizer` hands Accelerate a `DummyOptim`
+  (the block built on the engine's masters); with a `scheduler` block, `create_scheduler` gives the engine's schedule
+  (stepped by the engine, logged by the Trainer). Their "auto" params come from the arguments as transformers fills
+  them: lr, betas (adam_beta1/2), eps (adam_epsilon), weight_decay; warmup_min_lr 0, warmup_max_lr the learning
+  rate, warmup_num_steps `get_warmup_steps`, total_num_steps the run's optimizer steps.
 * `save_model`: every rank gathers the full weights (a peft model: its trainable ones), rank 0 writes them with
   `save_pretrained`, so `from_pretrained` / `PeftModel.from_pretrained` read the result.
 * checkpoints (`save_steps`, `resume_from_checkpoint`): the optimizer state is the engine's sharded DCP directory
@@ -31,6 +40,7 @@ from typing import Any
 from ds_plugin.accelerate.checkpoint import has_engine_state, load_engine_state, save_engine_state
 from ds_plugin.accelerate.plugin import CONFIG_ENV, ZeroPlugin
 from ds_plugin.config import ConfigError
+from ds_plugin.runtime.faults import default_timeout
 
 __all__ = ["install_transformers_hooks"]
 
@@ -107,10 +117,20 @@ def _take_deepspeed_config(args: Any) -> None:
         ZeroPlugin.from_env()  # raises, naming the variable
 
 
+_HF_DEFAULT_TIMEOUT = 1800  # TrainingArguments.ddp_timeout's default
+
+
+def _collective_timeout(args: Any) -> None:
+    """ds_plugin's collective timeout where `ddp_timeout` is transformers' default; read before the group starts."""
+    if getattr(args, "ddp_timeout", None) == _HF_DEFAULT_TIMEOUT:
+        args.ddp_timeout = max(1, int(default_timeout().total_seconds()))
+
+
 def _hook_training_args(module: ModuleType) -> None:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __post_init__(self: Any) -> None:
             _take_deepspeed_config(self)
+            _collective_timeout(self)
             original(self)
 
         return __post_init__
@@ -213,7 +233,58 @@ def _hook_trainer(module: ModuleType) -> None:
 
         return load
 
+    def create_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create(self: Any, *args: Any, **kwargs: Any) -> Any:
+            accelerator = getattr(self, "accelerator", None)
+            if self.optimizer is not None or not isinstance(accelerator, Accelerator):
+                return original(self, *args, **kwargs)
+            if accelerator.zero_plugin.training_config.optimizer is None:
+                return original(self, *args, **kwargs)
+            from ds_plugin.accelerate.dummy import DummyOptim
+
+            a = self.args
+            accelerator.fill_config_auto(
+                {
+                    "optimizer.params.lr": a.learning_rate,
+                    "optimizer.params.betas": [a.adam_beta1, a.adam_beta2],
+                    "optimizer.params.eps": a.adam_epsilon,
+                    "optimizer.params.weight_decay": a.weight_decay,
+                }
+            )
+            model = args[0] if args else kwargs.get("model") or self.model
+            self.optimizer = DummyOptim(list(model.parameters()), lr=a.learning_rate, weight_decay=a.weight_decay)
+            return self.optimizer
+
+        return create
+
+    def create_scheduler(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create(self: Any, num_training_steps: int, *args: Any, **kwargs: Any) -> Any:
+            accelerator = getattr(self, "accelerator", None)
+            engine = _engine(self)
+            config = accelerator.zero_plugin.training_config if engine is not None else None
+            if self.lr_scheduler is not None or config is None or config.scheduler is None:
+                return original(self, num_training_steps, *args, **kwargs)
+            from ds_plugin.accelerate.dummy import DummyScheduler
+
+            a = self.args
+            warmup = a.get_warmup_steps(num_training_steps)
+            accelerator.fill_config_auto(
+                {
+                    "scheduler.params.warmup_min_lr": 0,
+                    "scheduler.params.warmup_max_lr": a.learning_rate,
+                    "scheduler.params.warmup_num_steps": max(1, warmup),
+                    "scheduler.params.total_num_steps": num_training_steps,
+                }
+            )
+            self.lr_scheduler = accelerator.prepare_scheduler(DummyScheduler(self.optimizer, warmup_num_steps=warmup))
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+
+        return create
+
     _wrap(trainer, "_build_accelerator_args", build_args)
+    _wrap(trainer, "create_optimizer", create_optimizer)
+    _wrap(trainer, "create_scheduler", create_scheduler)
     _wrap(trainer, "save_model", save_model)
     _wrap(trainer, "_save_optimizer_and_scheduler", save_optimizer)
     _wrap(trainer, "_load_optimizer_and_scheduler", load_optimizer)

@@ -108,9 +108,14 @@ def refuse_other_engines(kwargs: dict[str, Any] | None = None) -> None:
         raise ConfigError(
             "Accelerator(fsdp_plugin=...): ds_plugin already shards the model with FSDP2; drop the FSDP plugin"
         )
-    if _truthy("ACCELERATE_USE_DEEPSPEED") or _truthy("ACCELERATE_USE_FSDP"):
-        which = "DEEPSPEED" if _truthy("ACCELERATE_USE_DEEPSPEED") else "FSDP"
+    if _truthy("ACCELERATE_USE_DEEPSPEED"):
+        # Only reached without the bootstrap, which turns a DEEPSPEED launch config into ds_plugin's config.
         raise ConfigError(
-            f"the accelerate launch config selects distributed_type: {which}; ds_plugin needs MULTI_GPU (also on "
-            "CPU) with the DeepSpeed config in --ds-config"
+            "the accelerate launch config selects distributed_type: DEEPSPEED; add `-m ds_plugin.accelerate` before "
+            "the script in the accelerate launch command, which reads that config"
+        )
+    if _truthy("ACCELERATE_USE_FSDP"):
+        raise ConfigError(
+            "the accelerate launch config selects distributed_type: FSDP; ds_plugin needs MULTI_GPU (also on CPU) "
+            "with the DeepSpeed config in --ds-config"
         )

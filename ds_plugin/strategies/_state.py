@@ -8,9 +8,11 @@ plan and the setup itself are the core's (`ds_plugin.zero.plan`, `ds_plugin.zero
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from ds_plugin.config import TrainingConfig
@@ -24,6 +26,8 @@ from ds_plugin.zero.plan import FrameworkSettings, ZeroPlan, resolve_plan
 from ds_plugin.zero.setup import setup_zero
 
 __all__ = ["ZeroStrategyState", "zero_precision_property"]
+
+logger = logging.getLogger(__name__)
 
 
 def zero_precision_property(attr: str) -> property:
@@ -138,4 +142,13 @@ class ZeroStrategyState:
             device=self.root_device,
         )
         self._engine.resume_hint = self._resume_hint
+        blocks = [name for name in ("optimizer", "scheduler") if getattr(self._engine.plan, name) is not None]
+        if blocks and (not dist.is_initialized() or dist.get_rank() == 0):
+            # Lightning's configure_optimizers (Fabric: the script) builds both; DeepSpeed's Lightning strategy also
+            # takes them from there when the module returns any.
+            logger.info(
+                "config blocks without effect under %s: %s (configure_optimizers builds the optimizer and scheduler)",
+                type(self).__name__,
+                ", ".join(blocks),
+            )
         return self._engine

@@ -119,6 +119,8 @@ class ZeroEngine:
         wider = torch_dtype(plan.grad_accum_dtype).itemsize > torch_dtype(plan.reduce_dtype).itemsize
         self._sync_every_micro_step = self._replicated is None and wider
         self.optimizer: torch.optim.Optimizer | None = None
+        # Stepped once after every applied optimizer step, as DeepSpeed's engine steps its `lr_scheduler`.
+        self.lr_scheduler: Any = None
         self._local_shards: LocalShards | None = None
         self._creating_state = False
         self._overflow: bool | None = None  # this step's gradients reduced and unscaled (see _gradients_ready)
@@ -161,6 +163,23 @@ class ZeroEngine:
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         optimizer.register_step_post_hook(self._after_optimizer_step)
         self.optimizer = optimizer
+
+    def set_lr_scheduler(self, scheduler: Any) -> None:
+        """Give the engine an LR scheduler to step after every applied optimizer step (skipped steps do not count).
+
+        Args:
+            scheduler: a scheduler on `engine.optimizer` (one of `ds_plugin.lr_schedules` or a torch LR scheduler);
+                None to step none.
+        """
+        if scheduler is not None and getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            raise ZeroSetupError("lr_scheduler: it is built on another optimizer; build it on engine.optimizer")
+        self.lr_scheduler = scheduler
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each of the optimizer's param groups (DeepSpeed's `engine.get_lr()`)."""
+        if self.optimizer is None:
+            raise ZeroSetupError("get_lr: the engine has no optimizer")
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
 
     # Hooks rather than code in step(), so a framework calling `engine.optimizer.step()` itself still gets the
     # stage 0/1 reduction and parameter sync (FSDP2 needs neither: its hooks already reduced the gradients).
@@ -284,6 +303,8 @@ class ZeroEngine:
         with peer_failure_guard("the optimizer step", self.global_steps, self.resume_hint):
             stepped = self._optimizer_step()
         self.skipped_steps += not stepped
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         if self.comms_logger is not None:
             self.comms_logger.step()
         return stepped
@@ -498,13 +519,16 @@ class ZeroEngine:
             set_optimizer_state_dict(self.module, self.optimizer, state_dict)
 
     def engine_state_dict(self) -> dict[str, Any]:
-        """Step counters and the loss scaler: the plain-Python rest of a checkpoint."""
-        return {
+        """Step counters, the loss scaler and the LR scheduler: the plain-Python rest of a checkpoint."""
+        state = {
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
             "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
         }
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return state
 
     def load_engine_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `engine_state_dict` returned.
@@ -517,6 +541,8 @@ class ZeroEngine:
         self.skipped_steps = int(state["skipped_steps"])
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     # ------------------------------------------------------------------ DeepSpeed's checkpoint API
 

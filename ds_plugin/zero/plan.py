@@ -16,7 +16,17 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from ds_plugin.config import AUTO, CommsLoggerConfig, ConfigError, FP8Config, FP16Config, TrainingConfig
+from ds_plugin.config import (
+    AUTO,
+    CommsLoggerConfig,
+    ConfigError,
+    FP8Config,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    TrainingConfig,
+)
+from ds_plugin.optimizer_config import fill_auto
 from ds_plugin.presets import ConfigSource, load_config
 from ds_plugin.zero.mesh import ZeroSetupError
 
@@ -57,6 +67,9 @@ class FrameworkSettings:
     """The framework's gradient clipping norm (None = off)."""
     clip_setting: str = "gradient clipping"
     """How the framework names its clipping setting, for messages."""
+    auto_values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Values for "auto" params of the `optimizer` / `scheduler` blocks, by dotted key ("optimizer.params.lr"):
+    what Accelerate's DummyOptim / DummyScheduler or the HF Trainer's arguments say."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,6 +113,10 @@ class ZeroPlan:
     """CPU runs: make glibc keep freed memory mapped (see `host_memory.py`)."""
     non_finite_gradients: str
     """Without a loss scaler (bf16/fp32): "error" stops at a non-finite gradient, "skip" skips that step."""
+    optimizer: OptimizerConfig | None = None
+    """The config's `optimizer` block ("auto" filled where the framework said): built when no optimizer is passed."""
+    scheduler: SchedulerConfig | None = None
+    """The config's `scheduler` block ("auto" filled where the framework said): built when no scheduler is passed."""
 
     def check_world(self, world_size: int) -> None:
         """Refuse a mesh of another size than the plan was resolved for.
@@ -333,6 +350,8 @@ def resolve_plan(
         micro_batch_size=framework.micro_batch_size if framework else None,
         gradient_accumulation_steps=ga,
     )
+    optimizer, scheduler = fill_auto(config.optimizer, config.scheduler, framework.auto_values if framework else {})
+    config = dataclasses.replace(config, optimizer=optimizer, scheduler=scheduler)
     zero = config.zero_optimization
     offload, pin = _offload(config, device_type)
     return ZeroPlan(
@@ -359,6 +378,8 @@ def resolve_plan(
         comms_logger=config.comms_logger if config.comms_logger.enabled else None,
         host_memory_reuse=config.host_memory_reuse and device_type == "cpu",
         non_finite_gradients=config.non_finite_gradients,
+        optimizer=optimizer,
+        scheduler=scheduler,
     )
 
 

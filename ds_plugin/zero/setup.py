@@ -12,7 +12,8 @@ and why:
 4. the engine, with the comms logger switched on when the config asks for it;
 5. its optimizer, rebuilt on the fp32 master parameters by `engine.set_optimizer` (an optimizer built on the
    model's parameters before setup is mapped across by parameter name; `repoint_scheduler` moves an LR scheduler
-   built on it to the rebuilt one).
+   built on it to the rebuilt one). With `optimizer="config"` it is the config's `optimizer` block, built on the
+   masters; `initialize` then builds the config's `scheduler` block on it (`attach_config_scheduler`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ds_plugin.optimizer_config import SchedulerConfig, build_optimizer, build_scheduler
 from ds_plugin.presets import ConfigSource
 from ds_plugin.runtime.comms_logger import comms_logger_from_config
 from ds_plugin.zero.apply import apply_plan, has_fp8_layers, is_zero_applied
@@ -34,7 +36,10 @@ from ds_plugin.zero.optimizer import OptimizerSpec
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.wrap import BlockTypes
 
-__all__ = ["has_meta", "initialize", "repoint_scheduler", "setup_zero"]
+__all__ = ["FROM_CONFIG", "attach_config_scheduler", "has_meta", "initialize", "repoint_scheduler", "setup_zero"]
+
+FROM_CONFIG = "config"
+"""`setup_zero(optimizer=FROM_CONFIG)`: build the optimizer from the config's `optimizer` block."""
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ def has_meta(module: nn.Module) -> bool:
 def setup_zero(
     model: nn.Module,
     plan: ZeroPlan,
-    optimizer: OptimizerSpec | None = None,
+    optimizer: OptimizerSpec | str | None = None,
     *,
     mesh: DeviceMesh,
     block_types: BlockTypes | None = None,
@@ -68,7 +73,8 @@ def setup_zero(
         plan: the resolved plan (`resolve_plan`), for `mesh`'s world size.
         optimizer: a factory `params -> optimizer` (called with the trainable fp32 master parameters; it may also
             build on the model's own parameters), or an optimizer built on `model.parameters()` that has not
-            stepped (rebuilt with the same class and param groups); None for an engine without one.
+            stepped (rebuilt with the same class and param groups); `FROM_CONFIG` ("config") for the config's
+            `optimizer` block (and its `scheduler` block); None for an engine without one.
         mesh: the 1-D data-parallel mesh.
         block_types: blocks to shard separately (see `apply_zero`).
         sync_module_states: start every rank from the first rank's weights (see `apply_zero`).
@@ -78,6 +84,15 @@ def setup_zero(
         ZeroSetupError: a model or optimizer the plan cannot be applied to (one line).
     """
     plan.check_world(mesh.size())
+    from_config = isinstance(optimizer, str)
+    if from_config:
+        if optimizer != FROM_CONFIG or plan.optimizer is None:
+            raise ZeroSetupError(
+                "optimizer: no optimizer passed and the config has no optimizer block; pass one in code or add "
+                '"optimizer": {"type": "AdamW", "params": {...}} to the config'
+            )
+        block = plan.optimizer
+        optimizer = lambda params: build_optimizer(block, params)  # noqa: E731
     device = device or mesh_device(mesh)
     originals = {id(p): name for name, p in model.named_parameters()}
     if is_zero_applied(model):
@@ -98,6 +113,19 @@ def setup_zero(
     if optimizer is not None:
         engine.set_optimizer(optimizer, names=originals)
     return engine
+
+
+def attach_config_scheduler(engine: ZeroEngine, block: SchedulerConfig | None = None) -> None:
+    """Build the config's `scheduler` block on the engine's optimizer and let the engine step it (DeepSpeed's rule:
+    the JSON's scheduler applies when none is passed in code, whichever built the optimizer).
+
+    Args:
+        engine: an engine with an optimizer; nothing happens without a `scheduler` block.
+        block: the block to build; default the engine's plan's (an adapter passes the one it filled "auto" in since).
+    """
+    block = block if block is not None else engine.plan.scheduler
+    if block is not None and engine.optimizer is not None:
+        engine.set_lr_scheduler(build_scheduler(block, engine.optimizer))
 
 
 def _comms_logger(plan: ZeroPlan, mesh: DeviceMesh) -> Any:
@@ -126,20 +154,27 @@ def initialize(
             (`engine.comms_logger`).
         optimizer: a factory `params -> optimizer` (called with the trainable master parameters), or an
             optimizer built on `model.parameters()` that has not stepped (rebuilt with the same class and
-            param-group hyper-parameters; build LR schedulers on `engine.optimizer`).
+            param-group hyper-parameters; build LR schedulers on `engine.optimizer`). None: the config's `optimizer`
+            block when it has one, else no optimizer. Either way the config's `scheduler` block, when it has one, is
+            built on the engine's optimizer and stepped by `engine.step()` (DeepSpeed's rule).
         mesh: the 1-D data-parallel mesh; default all ranks.
         block_types: blocks to shard separately (see `apply_zero`).
         sync_module_states: start every rank from the first rank's weights (see `apply_zero`).
     """
     mesh = data_parallel_mesh(mesh)
-    return setup_zero(
+    plan = plan_for(config, mesh)
+    if optimizer is None and plan.optimizer is not None:
+        optimizer = FROM_CONFIG
+    engine = setup_zero(
         model,
-        plan_for(config, mesh),
+        plan,
         optimizer,
         mesh=mesh,
         block_types=block_types,
         sync_module_states=sync_module_states,
     )
+    attach_config_scheduler(engine)
+    return engine
 
 
 def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

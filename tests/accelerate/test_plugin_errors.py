@@ -95,7 +95,9 @@ def test_accelerate_plugins_are_refused_before_the_process_group() -> None:
     [
         (["--ds-config", "missing.json"], {}, "missing.json'?: cannot read the config"),
         (["--ds-config", "bad.json"], {}, "zero_optimization.stage: 9 is not a ZeRO stage"),
-        (["--ds-config", "zero3"], {"ACCELERATE_USE_DEEPSPEED": "true"}, "distributed_type: DEEPSPEED"),
+        # A DEEPSPEED Accelerate config is read (tests/accelerate/test_deepspeed_yaml.py); its JSON is checked first.
+        ([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "missing.json"}, "cannot read"),
+        ([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "9"}, "stage: 9 is not a ZeRO"),
         (["--ds-config", "zero3"], {"ACCELERATE_USE_FSDP": "true"}, "distributed_type: FSDP"),
     ],
 )
@@ -135,3 +137,33 @@ def test_script_building_accelerates_deepspeed_plugin_gets_one_line(tmp_path: Pa
     assert "process group started: False" in lines
     assert lines[-1].startswith("ds_plugin.accelerate: Accelerator(deepspeed_plugin=...)"), proc.stdout
     assert "Traceback" not in proc.stdout
+
+
+def test_accumulation_conflicting_with_the_json_fails_before_the_process_group() -> None:
+    plugin = ZeroPlugin({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ConfigError, match=r"config says 4 but Accelerator\(gradient_accumulation_steps=2\)") as info:
+        Accelerator(zero_plugin=plugin, gradient_accumulation_steps=2)
+    one_line(str(info.value))
+    assert_nothing_started()
+
+
+def test_hf_trainer_default_ddp_timeout_becomes_ds_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from ds_plugin.accelerate.hf import _collective_timeout
+
+    monkeypatch.setenv("DS_PLUGIN_TIMEOUT", "120")
+    default, chosen = SimpleNamespace(ddp_timeout=1800), SimpleNamespace(ddp_timeout=900)
+    _collective_timeout(default)
+    _collective_timeout(chosen)
+    assert (default.ddp_timeout, chosen.ddp_timeout) == (120, 900)
+
+
+def test_ds_config_beats_a_deepspeed_accelerate_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import os\nraise SystemExit('the script ran with ' + os.environ['ACCELERATE_USE_DEEPSPEED'])\n")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    with pytest.raises(SystemExit, match="the script ran with false"):
+        bootstrap_main(["--ds-config", "zero3", str(script)])
+    assert ZeroPlugin.from_env().training_config.stage == 3

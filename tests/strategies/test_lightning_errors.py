@@ -241,7 +241,9 @@ def test_an_hf_trainer_auto_config_resolves_from_the_trainer() -> None:
     cfg = resolve(str(config), precision="bf16-mixed", micro_batch_size=4, accumulation=2, clip=1.0)
     assert (cfg.compute_dtype, cfg.stage, cfg.gradient_clipping) == ("bf16", 3, 1.0)
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size) == (4, 2, 16)
-    assert all(key.startswith("zero_optimization.") for key in cfg.unresolved())  # bucket sizes: ignored keys
+    # Bucket sizes (ignored keys), and the optimizer/scheduler blocks' params: configure_optimizers builds both here.
+    prefixes = ("zero_optimization.", "optimizer.params.", "scheduler.params.")
+    assert all(key.startswith(prefixes) for key in cfg.unresolved())
 
 
 def test_loading_something_that_is_not_a_checkpoint(tmp_path) -> None:

@@ -1,0 +1,202 @@
+"""`DeepSpeedEngine`: DeepSpeed's engine API as scripts call it, over a `ZeroEngine` (which does all the work).
+
+Where DeepSpeed's API and `ZeroEngine`'s differ this class translates: `gradient_accumulation_steps()` and the
+batch sizes are methods, `save_checkpoint` returns True, `load_checkpoint` returns `(None, None)` when there is
+nothing to load, `local_rank` / `global_rank` / `device` are attributes. Every other attribute is the `ZeroEngine`'s
+(`optimizer`, `lr_scheduler`, `global_steps`, `no_sync`, `plan`, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ds_plugin.zero.engine import ZeroEngine
+from ds_plugin.zero.mesh import mesh_device, torch_dtype
+
+__all__ = ["DeepSpeedEngine"]
+
+
+class DeepSpeedEngine:
+    """DeepSpeed's engine API on a `ZeroEngine`.
+
+    Args:
+        engine: the engine `setup_zero` built.
+        training_dataloader: the loader `initialize` built from `training_data`, if any.
+        local_rank: this process's rank on its node.
+    """
+
+    def __init__(self, engine: ZeroEngine, training_dataloader: Any = None, local_rank: int = 0) -> None:
+        self.engine = engine
+        self.training_dataloader = training_dataloader
+        self.local_rank = local_rank
+        self.global_rank = dist.get_rank()
+        self.world_size = self.dp_world_size = dist.get_world_size()
+        self.device = mesh_device(engine.mesh)
+        self._applied = False
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names this class does not define: the ZeroEngine's attributes.
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    @property
+    def module(self) -> nn.Module:
+        """The trained model (sharded at stages 2/3); call the engine or the module for forward."""
+        return self.engine.module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        """Set the module's training mode.
+
+        Args:
+            mode: True for training, False for evaluation.
+        """
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        """Put the module in evaluation mode."""
+        return self.train(False)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of one micro-batch's loss (divided by the accumulation steps; fp16: scaled). Returns `loss`.
+
+        Args:
+            loss: the scalar loss.
+            retain_graph: keep the autograd graph.
+            scale_wrt_gas: divide the loss by `gradient_accumulation_steps()`.
+        """
+        self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """End a micro-step; at an accumulation boundary: clip, optimizer step, LR scheduler step.
+
+        Args:
+            lr_kwargs: DeepSpeed passes these to its scheduler's `step`; not supported here (must be None).
+        """
+        if lr_kwargs:
+            raise ValueError("step(lr_kwargs=...): the engine steps its scheduler without arguments; drop lr_kwargs")
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        stepped = self.engine.step()
+        if boundary:
+            self._applied = stepped
+
+    def was_step_applied(self) -> bool:
+        """Whether the last boundary step updated the weights (False after an fp16 overflow or a skipped step)."""
+        return self._applied
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.engine.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The config's micro batch per rank."""
+        return self.engine.plan.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        """The config's global batch."""
+        return self.engine.plan.config.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step ends the accumulation."""
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage."""
+        return self.engine.stage
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group."""
+        return self.engine.get_lr()
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last clipped step (None when clipping is off)."""
+        norm = self.engine.last_grad_norm
+        return None if norm is None else float(norm)
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save weights, optimizer, scheduler and `client_state` to `save_dir/<tag>` (a collective). Returns True.
+
+        Args:
+            save_dir: the run's checkpoint directory.
+            tag: the checkpoint's name; default `global_step<N>`.
+            client_state: the loop's own JSON-able state, returned by `load_checkpoint`.
+            save_latest: point `save_dir/latest` at it.
+            exclude_frozen_parameters: not supported (must be False): every weight is saved.
+        """
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported; save every weight")
+        self.engine.save_checkpoint(save_dir, tag, client_state or {}, save_latest=save_latest)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load `load_dir/<tag>` (default the newest complete one); returns (its path, its client_state), or
+        (None, None) when there is none.
+
+        Args:
+            load_dir: the directory `save_checkpoint` wrote into.
+            tag: a checkpoint name.
+            load_module_strict: must be True (every weight is loaded).
+            load_optimizer_states: also the optimizer state and the fp16 loss scaler.
+            load_lr_scheduler_states: the LR scheduler's step comes back with the step counters either way.
+            load_module_only: the weights only.
+            custom_load_fn: not supported (must be None).
+        """
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("load_checkpoint: load_module_strict=False and custom_load_fn are not supported")
+        path, client = self.engine.load_checkpoint(
+            load_dir, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
+        )
+        return (None, None) if path is None else (str(path), client)
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """The whole model's weights in the compute dtype, one `torch.save` file written by rank 0 (a collective).
+
+        Args:
+            save_dir: where to write.
+            save_filename: the file's name.
+            exclude_frozen_parameters: leave out parameters that do not require grad.
+        """
+        from ds_plugin.peft_adapters import full_state_dict
+
+        state = full_state_dict(self.engine, trainable_only=exclude_frozen_parameters)
+        if self.global_rank == 0:
+            dtype = torch_dtype(self.engine.plan.compute_dtype)
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(save_dir) / save_filename)
+        dist.barrier()
+        return True

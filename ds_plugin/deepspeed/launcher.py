@@ -1,0 +1,199 @@
+"""`ds-plugin launch`: the `deepspeed` command's flags, starting the ranks through torchrun (CPU or GPU).
+
+    ds-plugin launch --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json
+
+Each rank runs the script as `deepspeed` runs it: `python script.py --local_rank=<i> <your args>`, with `RANK`,
+`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set (torchrun sets them; a small entry point,
+`ds_plugin.deepspeed._rank_entry`, adds `--local_rank`, which torchrun does not pass). Everything after the script is
+passed on unchanged, `--deepspeed_config` included.
+
+Nodes: `--hostfile` (DeepSpeed's format, `host slots=N` per line), narrowed by `--include` / `--exclude`
+(`host1:0,1@host2`) or `--num_nodes`, gives the node list; the same command runs on every node (DeepSpeed's
+`--no_ssh` mode: nothing is started over ssh), each finding its own `--node_rank` by host name unless given. On one
+node, `--include localhost:0,2` picks GPUs (`CUDA_VISIBLE_DEVICES`). Every mistake is one line before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+__all__ = ["LaunchError", "add_launch_arguments", "launch_plan", "run_launch"]
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start: the message says what and how to fix it, in one line."""
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `deepspeed` command's flags, spelled as it spells them (its `--foo_bar` and the `--foo-bar` form).
+
+    Args:
+        parser: the `launch` subcommand's parser.
+    """
+
+    def flag(name: str, **kwargs: object) -> None:
+        parser.add_argument(f"--{name}", f"--{name.replace('_', '-')}", dest=name, **kwargs)
+
+    flag("num_gpus", type=int, default=None, help="ranks on this node (default: its GPUs, 1 without a GPU)")
+    flag("num_nodes", type=int, default=None, help="use the first N nodes of the hostfile")
+    flag("hostfile", default=None, help="DeepSpeed hostfile: one 'host slots=N' per line")
+    parser.add_argument("-i", "--include", default="", help="hosts and GPUs to use, e.g. host1:0,1@host2")
+    parser.add_argument("-e", "--exclude", default="", help="hosts and GPUs to leave out, e.g. host1:1")
+    flag("master_addr", default=None, help="address of node rank 0 (default: the first host, or 127.0.0.1)")
+    flag("master_port", type=int, default=29500, help="port on node rank 0")
+    flag("node_rank", type=int, default=None, help="this node's index in the host list (default: found by name)")
+    flag("no_ssh", action="store_true", help="accepted: every node runs this same command (nothing uses ssh)")
+    flag("no_local_rank", action="store_true", help="do not pass --local_rank to the script")
+    flag("module", action="store_true", help="the script is a module name (python -m)")
+    parser.add_argument("script", help="the training script (or module, with --module)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+
+def _read_hostfile(path: str) -> OrderedDict[str, int]:
+    if not Path(path).is_file():
+        raise LaunchError(f"--hostfile {path}: no such file; write one 'host slots=N' line per node")
+    hosts: OrderedDict[str, int] = OrderedDict()
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit():
+            raise LaunchError(f"--hostfile {path}: line {number} {line!r} is not 'host slots=N'")
+        if parts[0] in hosts:
+            raise LaunchError(f"--hostfile {path}: host {parts[0]!r} appears twice; list each node once")
+        hosts[parts[0]] = int(parts[1][6:])
+    if not hosts:
+        raise LaunchError(f"--hostfile {path}: no hosts; write one 'host slots=N' line per node")
+    return hosts
+
+
+def _parse_filter(text: str, flag: str) -> OrderedDict[str, list[int] | None]:
+    """`host1:0,1@host2` -> {host1: [0, 1], host2: None (all)}."""
+    out: OrderedDict[str, list[int] | None] = OrderedDict()
+    for part in filter(None, text.split("@")):
+        host, _, slots = part.partition(":")
+        if not host:
+            raise LaunchError(f"{flag} {text!r}: {part!r} names no host; write host or host:0,1")
+        try:
+            out[host] = [int(s) for s in slots.split(",")] if slots else None
+        except ValueError:
+            raise LaunchError(f"{flag} {text!r}: {slots!r} is not a list of GPU indices like 0,1") from None
+    return out
+
+
+def _pool(hosts: OrderedDict[str, int], include: str, exclude: str) -> OrderedDict[str, list[int]]:
+    """Host -> the slot (GPU) indices to use, after --include / --exclude."""
+    pool = OrderedDict((h, list(range(n))) for h, n in hosts.items())
+    if include and exclude:
+        raise LaunchError("--include and --exclude are mutually exclusive; use one")
+    if include:
+        chosen: OrderedDict[str, list[int]] = OrderedDict()
+        for host, slots in _parse_filter(include, "--include").items():
+            if host not in pool:
+                raise LaunchError(f"--include: host {host!r} is not in the host list ({', '.join(pool)})")
+            bad = [s for s in slots or [] if s not in pool[host]]
+            if bad:
+                raise LaunchError(f"--include: {host} has slots 0..{len(pool[host]) - 1}, not {bad}")
+            chosen[host] = list(slots) if slots is not None else pool[host]
+        return chosen
+    for host, slots in _parse_filter(exclude, "--exclude").items():
+        if host not in pool:
+            raise LaunchError(f"--exclude: host {host!r} is not in the host list ({', '.join(pool)})")
+        pool[host] = [] if slots is None else [s for s in pool[host] if s not in slots]
+    return OrderedDict((h, s) for h, s in pool.items() if s)
+
+
+def _local_slots() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() or 1
+    except ImportError:
+        return 1
+
+
+def launch_plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and the environment changes for this node; one-line `LaunchError`s before anything.
+
+    Args:
+        args: the parsed `launch` arguments.
+    """
+    script = args.script
+    if not args.module and not Path(script).is_file():
+        raise LaunchError(f"{script}: no such script; give the path of the training script (or --module NAME)")
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise LaunchError(f"--num_gpus {args.num_gpus}: must be at least 1")
+    if args.num_nodes is not None and args.num_nodes < 1:
+        raise LaunchError(f"--num_nodes {args.num_nodes}: must be at least 1")
+    if args.hostfile:
+        hosts = _read_hostfile(args.hostfile)
+    else:
+        if args.num_nodes not in (None, 1):
+            raise LaunchError(f"--num_nodes {args.num_nodes}: needs --hostfile listing the nodes")
+        hosts = OrderedDict(localhost=args.num_gpus or _local_slots())
+    pool = _pool(hosts, args.include, args.exclude)
+    if not pool:
+        raise LaunchError("--exclude leaves no host or GPU to run on")
+    if args.num_nodes is not None:
+        if args.num_nodes > len(pool):
+            raise LaunchError(f"--num_nodes {args.num_nodes}: the host list has only {len(pool)} nodes")
+        pool = OrderedDict(list(pool.items())[: args.num_nodes])
+    counts = {len(s) for s in pool.values()}
+    if args.num_gpus is None and len(counts) != 1:
+        raise LaunchError("the nodes have different numbers of slots; torchrun starts the same number on each")
+    per_node = args.num_gpus or counts.pop()
+    names = list(pool)
+    node_rank = args.node_rank
+    if node_rank is None:
+        if len(names) == 1:
+            node_rank = 0
+        else:
+            me = {socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
+            found = [i for i, h in enumerate(names) if h in me]
+            if not found:
+                raise LaunchError(
+                    f"this host ({socket.gethostname()}) is not in the host list {names}; pass --node_rank"
+                )
+            node_rank = found[0]
+    if not 0 <= node_rank < len(names):
+        raise LaunchError(f"--node_rank {node_rank}: must be in 0..{len(names) - 1}")
+    master = args.master_addr or ("127.0.0.1" if len(names) == 1 else names[0])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={len(names)}",
+        f"--nproc-per-node={per_node}",
+        f"--node-rank={node_rank}",
+        f"--master-addr={master}",
+        f"--master-port={args.master_port}",
+        "-m",
+        "ds_plugin.deepspeed._rank_entry",
+    ]
+    if args.no_local_rank:
+        cmd.append("--no-local-rank")
+    if args.module:
+        cmd.append("--module")
+    cmd += [script, *args.script_args]
+    env: dict[str, str] = {}
+    slots = pool[names[node_rank]]
+    if args.include or args.exclude:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots[:per_node]))
+    return cmd, env
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Start this node's ranks and wait for them; returns torchrun's exit code.
+
+    Args:
+        args: the parsed `launch` arguments.
+    """
+    cmd, env = launch_plan(args)
+    return subprocess.call(cmd, env={**os.environ, **env})

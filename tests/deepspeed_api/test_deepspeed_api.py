@@ -1,0 +1,239 @@
+"""`import ds_plugin.deepspeed as deepspeed`: DeepSpeed's API on 2 gloo ranks (one spawn, many assertions).
+
+ZeRO-3 with the model built inside `zero.Init()`: the engine's DeepSpeed methods, `GatheredParameters` reading and
+(with `modifier_rank=0`) editing a sharded parameter, which every rank then holds; an edit with no modifier rank is
+dropped. Stage 1: an edit reaches the fp32 master, so it survives the next optimizer step's copy back. `comm`,
+checkpoints, `save_16bit_model`. In this process: the one-line refusals before any process group, and the launcher's
+command line for hostfiles, `--include` and `--node_rank`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ds_plugin.deepspeed as deepspeed
+from ds_plugin.cli import main as cli_main
+from ds_plugin.config import ConfigError
+from ds_plugin.launch import run_ranks
+
+CONFIG3 = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.01, "warmup_type": "linear"},
+    },
+}
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init():
+        net = _net()
+    out["meta_before_initialize"] = net[0].weight.is_meta
+    args = argparse.Namespace(local_rank=rank, deepspeed_config=None)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6), torch.randn(32, 2))
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=net, model_parameters=net.parameters(), training_data=data, config=CONFIG3
+    )
+    out["types"] = [type(optimizer).__name__, type(scheduler).__name__, type(loader).__name__]
+    out["methods"] = [
+        engine.gradient_accumulation_steps(),
+        engine.zero_optimization_stage(),
+        engine.local_rank,
+        engine.global_rank,
+        str(engine.device),
+        engine.train_micro_batch_size_per_gpu(),
+        len(loader),
+    ]
+    boundaries, lrs = [], []
+    for x, y in loader:
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    out["boundaries"], out["lrs"], out["global_steps"] = boundaries, lrs, engine.global_steps
+    out["module_is_engines"] = engine.module is engine.engine.module and engine.optimizer is optimizer
+    engine.eval()
+    out["eval"] = not engine.module.training
+    engine.train()
+
+    # GatheredParameters: full inside; rank 0's edit everywhere afterwards; read-only edits dropped.
+    weight = engine.module[0].weight
+    before = weight.full_tensor().clone()
+    with deepspeed.zero.GatheredParameters(weight):
+        out["full_shape_inside"] = list(weight.data.shape)
+        out["read_matches"] = torch.equal(weight.data, before)
+        weight.data.add_(100.0)  # no modifier rank: dropped
+    out["read_only_dropped"] = torch.equal(weight.full_tensor(), before)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+        engine.module[0].weight.data.fill_(float(rank + 1))  # rank 1's value must lose
+    out["edited"] = engine.module[0].weight.full_tensor().unique().tolist()
+    out["local_shard_rows"] = engine.module[0].weight.to_local().shape[0]
+
+    # comm
+    t = torch.tensor([float(rank + 1)])
+    deepspeed.comm.all_reduce(t)
+    deepspeed.comm.barrier()
+    out["comm"] = [deepspeed.comm.get_rank(), deepspeed.comm.get_world_size(), float(t)]
+
+    # checkpoints and the 16-bit model
+    engine.save_checkpoint(tmp, tag="t")
+    edited = engine.module[0].weight.full_tensor().clone()
+    with deepspeed.zero.GatheredParameters(engine.module[0].weight, modifier_rank=0):
+        engine.module[0].weight.data.zero_()
+    path, client = engine.load_checkpoint(tmp)
+    out["loaded"] = [Path(path).name, client, torch.equal(engine.module[0].weight.full_tensor(), edited)]
+    out["lr_after_load"] = engine.get_lr()[0]
+    out["nothing_to_load"] = list(engine.load_checkpoint(str(Path(tmp) / "empty")))
+    engine.save_16bit_model(tmp)
+    if rank == 0:
+        saved = torch.load(Path(tmp) / "pytorch_model.bin")
+        out["saved16"] = sorted(saved), bool(torch.equal(saved["0.weight"], edited))
+
+    # Stage 1: the edit reaches the fp32 master and survives a step with zero learning rate.
+    net1 = _net()
+    cfg1 = {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+    }
+    engine1, *_ = deepspeed.initialize(model=net1, config=cfg1)
+    with deepspeed.zero.GatheredParameters(engine1.module[2].bias, modifier_rank=0):
+        engine1.module[2].bias.data.fill_(7.0 + rank)
+    engine1.backward(engine1(torch.ones(4, 6)).sum())
+    engine1.step()
+    out["stage1_bias"] = engine1.module[2].bias.detach().tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(_api, 2, timeout=300, tmp=str(tmp_path_factory.mktemp("ds_api")))
+
+
+def test_initialize_returns_deepspeeds_four_and_the_engine_api(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["meta_before_initialize"] is True
+        assert r["types"] == ["AdamW", "WarmupLR", "DataLoader"]
+        assert r["methods"] == [2, 3, rank, rank, "cpu", 4, 4]
+        assert r["boundaries"] == [False, True, False, True]
+        assert r["global_steps"] == 2 and r["module_is_engines"] and r["eval"]
+        # DeepSpeed's linear warmup over 4 steps: step k (from 0) has 0.01 * k / 4; a boundary step advances it.
+        assert r["lrs"] == pytest.approx([0.0, 0.0, 0.0, 0.0025])
+        assert r["comm"] == [rank, 2, 3.0]
+
+
+def test_gathered_parameters_reads_full_and_edits_from_the_modifier_rank(ranks):
+    for r in ranks:
+        assert r["full_shape_inside"] == [8, 6] and r["read_matches"] and r["read_only_dropped"]
+        assert r["edited"] == [1.0], "rank 0's edit, on every rank"
+        assert r["local_shard_rows"] == 4, "the parameter is sharded again afterwards"
+        assert r["stage1_bias"] == [7.0, 7.0]
+
+
+def test_checkpoint_round_trip_and_16bit_model(ranks):
+    for r in ranks:
+        assert r["loaded"] == ["t", {}, True]
+        assert r["lr_after_load"] == pytest.approx(0.0025)
+        assert r["nothing_to_load"] == [None, None]
+    assert ranks[0]["saved16"] == (["0.bias", "0.weight", "2.bias", "2.weight"], True)
+
+
+# ---------------------------------------------------------------------------------------------------- one process
+
+
+def test_refusals_are_one_line_before_any_process_group(tmp_path: Path):
+    net = _net()
+    cases = [
+        (lambda: deepspeed.initialize(model=net), "no DeepSpeed config"),
+        (
+            lambda: deepspeed.initialize(args=argparse.Namespace(deepspeed_config="x.json"), model=net, config={}),
+            "keep one of them",
+        ),
+        (lambda: deepspeed.initialize(model=net, config={"optimizer": {"type": "OneBitAdam"}}), 'use "Adam"'),
+        (lambda: deepspeed.initialize(model=net, config={"zero_optimization": {"stag": 3}}), "did you mean"),
+        (
+            lambda: deepspeed.initialize(model=net, config={"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}),
+            'optimizer.params.lr: "auto" is not resolved',
+        ),
+    ]
+    for call, words in cases:
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert "\n" not in str(err.value) and words in str(err.value)
+        assert not dist.is_initialized()
+
+
+def _launch_plan(*argv: str) -> tuple[list[str], dict[str, str]]:
+    from ds_plugin.deepspeed.launcher import add_launch_arguments, launch_plan
+
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    return launch_plan(parser.parse_args(list(argv)))
+
+
+def test_launcher_command_lines(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cmd, env = _launch_plan("--num_gpus", "2", str(script), "--deepspeed", "--deepspeed_config", "c.json")
+    assert cmd[cmd.index("torch.distributed.run") + 1 :] == [
+        "--nnodes=1", "--nproc-per-node=2", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=29500",
+        "-m", "ds_plugin.deepspeed._rank_entry", str(script), "--deepspeed", "--deepspeed_config", "c.json",
+    ]  # fmt: skip
+    assert env == {}
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("# two nodes\nworker-1 slots=4\nworker-2 slots=4\n")
+    cmd, env = _launch_plan("--hostfile", str(hosts), "--node_rank", "1", "--include", "worker-1:0,1@worker-2:2,3",
+                            str(script))  # fmt: skip
+    assert {"--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--master-addr=worker-1"} <= set(cmd)
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    cmd, _ = _launch_plan("--hostfile", str(hosts), "--num_nodes", "1", "--master_port", "1234", "--no_local_rank",
+                          str(script))  # fmt: skip
+    assert {"--nnodes=1", "--nproc-per-node=4", "--master-port=1234", "--no-local-rank"} <= set(cmd)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--num_gpus", "0", "{script}"], "--num_gpus 0: must be at least 1"),
+        (["missing.py"], "no such script"),
+        (["--hostfile", "{tmp}/nope", "{script}"], "no such file"),
+        (["--hostfile", "{bad}", "{script}"], "is not 'host slots=N'"),
+        (["--include", "localhost:0", "--exclude", "localhost:1", "{script}"], "mutually exclusive"),
+        (["--hostfile", "{hosts}", "{script}"], "pass --node_rank"),
+        (["--hostfile", "{hosts}", "--include", "other:0", "{script}"], "host 'other' is not in the host list"),
+        (["--num_nodes", "2", "{script}"], "needs --hostfile"),
+    ],
+)
+def test_launcher_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv, words):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    (tmp_path / "bad").write_text("worker-1 4\n")
+    (tmp_path / "hosts").write_text("worker-1 slots=2\nworker-2 slots=2\n")
+    names = {
+        "script": str(script),
+        "tmp": str(tmp_path),
+        "bad": str(tmp_path / "bad"),
+        "hosts": str(tmp_path / "hosts"),
+    }
+    assert cli_main(["launch", *(a.format(**names) for a in argv)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("ds-plugin launch: error:") and words in err, err
+    json.dumps(err)
