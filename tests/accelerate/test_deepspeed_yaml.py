@@ -1,6 +1,7 @@
 """Accelerate's `distributed_type: DEEPSPEED` configs, unchanged, on the engine (DeepSpeed never imported).
 
-trl's `examples/accelerate_configs/deepspeed_zero{1,2,3}.yaml` (copied into tests/configs/trl/) and an
+trl's `examples/accelerate_configs/deepspeed_zero{1,2,3}.yaml` (tests/configs/trl/: byte for byte as trl ships them,
+each a version from trl's history: ZeRO-1 bf16, ZeRO-2 fp32, ZeRO-3 fp16, gradient_accumulation_steps 1) and an
 `accelerate config` answer naming a `deepspeed_config_file` (an HF-style "auto" JSON) each run the plain Accelerate
 script examples/with_accelerate/train.py on 2 CPU processes:
 
