@@ -180,32 +180,7 @@ def lora_sft_model(lora_rank: int, model_path: str | None = None, frozen_format:
     return get_peft_model(base, lora_config(lora_rank))
 
 
-# -- the LoRA SFT recipes' data and curves --------------------------------------------------------------------------
-ARITHMETIC = Path(__file__).resolve().parent / "data" / "arithmetic.jsonl"
-
-
-def arithmetic_rows(split: str) -> list[dict]:
-    """The rows of examples/data/arithmetic.jsonl in `split` ("train" or "test")."""
-    return [r for r in map(json.loads, ARITHMETIC.read_text().splitlines()) if r["split"] == split]
-
-
-class SftExamples:
-    """Training rows drawn with replacement, `length` in all; loss only on the answer (the prompt's labels are
-    -100). A map-style dataset: a DataLoader (and the samplers Lightning and Accelerate add) index it."""
-
-    def __init__(self, rows: list[dict], length: int, tok, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.rows, self.tok = [rows[i] for i in torch.randint(len(rows), (length,), generator=gen).tolist()], tok
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        tok, row = self.tok, self.rows[i]  # BOS prompt, answer EOS
-        prompt, answer = tok.encode(row["prompt"]), tok.encode(row["answer"], add_special_tokens=False)
-        return prompt + answer + [tok.eos_token_id], [-100] * len(prompt) + answer + [tok.eos_token_id]
-
-
+# -- the LoRA SFT recipes' curves ----------------------------------------------------------------------------------
 def plot_sft(losses: list[float], history: list[tuple[int, float]], path: Path, loss_label: str, title: str) -> None:
     """The answer-loss curve and held-out exact match over the steps, side by side."""
     if (plt := pyplot()) is None:

@@ -2,12 +2,14 @@
 
     torchrun --standalone --nproc-per-node 2 examples/chatglm_ptuning.py [--pre-seq-len 32] [--prefix-projection]
         [--stage 2|3] [--precision bf16|fp32] [--frozen-format none|int8|int4|nf4] [--model PATH] [--smoke]
+        [--data train.jsonl [--eval-data test.jsonl | --eval-fraction 0.1]]
     torchrun --standalone --nproc-per-node 8 examples/chatglm_ptuning.py --model PATH   # 8 GPUs, bf16
 
 As in ChatGLM's ptuning/ (ADGEN: attributes in, one line of ad copy out), `pre_seq_len` trained key/value vectors
 are prepended to every attention layer (peft's `PrefixTuningConfig`, `num_virtual_tokens=pre_seq_len`), optionally
 produced by a two-layer MLP (`--prefix-projection`); the GLM itself (`GlmForCausalLM`, native in transformers) is
-frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl. By default
+frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl; `--data PATH`
+reads your own JSON Lines: ADGEN's {"content", "summary"} rows (or the SFT recipes' formats). By default
 the GLM is a tiny random one built from a config and the text is read as bytes (nothing is downloaded);
 `--model PATH` streams a local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM; each rank reads only the rows
 it keeps) and uses its tokenizer instead. Compute
@@ -29,12 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _recipe_common import check_model, load_tokenizer, pyplot, save_figure
+from _recipe_data import DATA as DATA_DIR
+from _recipe_data import SFT, add_data_args, encode, load_rows, prompt_text
 from peft import PrefixTuningConfig, get_peft_model
 from tqdm import tqdm
 
 import ds_plugin
 
-DATA = Path(__file__).parent / "data" / "adgen_tiny.jsonl"
+DATA = DATA_DIR / "adgen_tiny.jsonl"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values, peft still uses it
 
@@ -70,15 +74,10 @@ def streamed_model(args) -> torch.nn.Module:
                                      dtype=DTYPES[args.precision], defer=True)  # fmt: skip
 
 
-def encode_row(tok, row: dict) -> tuple[list[int], list[int]]:
-    """ChatGLM's layout: the prompt (labels -100), then the answer and EOS, which the loss is taken on."""
-    prompt = tok.encode(f"{row['content']}\nAd: ")
-    answer = [*tok.encode(row["summary"], add_special_tokens=False), tok.eos_token_id]
-    return prompt + answer, [-100] * len(prompt) + answer
-
-
 def collate(tok, rows: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pairs = [encode_row(tok, r) for r in rows]
+    """ChatGLM's layout (`_recipe_data.encode`): the prompt (labels -100), then the answer and EOS, which the loss
+    is taken on; right-padded."""
+    pairs = [encode(tok, r)[:2] for r in rows]
     width = max(len(ids) for ids, _ in pairs)
     ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in pairs], device=device)
     labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in pairs], device=device)
@@ -108,10 +107,11 @@ def held_out_loss(model, tok, rows: list[dict], device: torch.device) -> tuple[f
 
 
 @torch.no_grad()
-def generate(model, tok, content: str, device: torch.device, new_tokens: int = 48) -> str:
-    """Greedy, one prompt, no KV cache: the prefix is re-attached every step. A fixed number of steps, so every
-    rank runs the same forwards (each ZeRO-3 forward is a collective)."""
-    ids = torch.tensor([tok.encode(f"{content}\nAd: ")], device=device)
+def generate(model, tok, row: dict, device: torch.device, new_tokens: int = 48) -> str:
+    """Greedy answer to a row's prompt, no KV cache: the prefix is re-attached every step. A fixed number of steps,
+    so every rank runs the same forwards (each ZeRO-3 forward is a collective)."""
+    prompt, _, start = encode(tok, row)
+    ids = torch.tensor([prompt[:start]], device=device)
     start = ids.shape[1]
     for _ in range(new_tokens):
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
@@ -151,8 +151,12 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank per step")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/chatglm_ptuning"))
     parser.add_argument("--smoke", action="store_true", help="a short run: 60 steps")
+    add_data_args(parser, "{content, summary} rows, or the SFT formats")
     args = parser.parse_args()
     check_model(args.model, architectures=("GlmForCausalLM", "Glm4ForCausalLM"))  # a wrong --model: one line
+    # A bad data file: one line, before any process group starts.
+    train, held_out = load_rows(args.data, args.eval_data, args.eval_fraction, ("adgen", *SFT), DATA,
+                                ascii_only=not args.model)  # fmt: skip
     args.steps = args.steps or (60 if args.smoke else 500)
     tok = load_tokenizer(args.model)  # bytes by default; a tokenizer without a pad token pads with EOS
     start = time.perf_counter()
@@ -165,9 +169,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
-    train, held_out = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "test"]
-    samples = [r["content"] for r in held_out[:3]]
+    samples = held_out[:3]
 
     if args.model:
         model = streamed_model(args)
@@ -220,7 +222,7 @@ def main() -> None:
               f"{world} ranks")  # fmt: skip
         print(f"held-out answer loss {before:.3f} -> {after:.3f}, next-token accuracy {acc0:.2f} -> {acc1:.2f}")
         for s, b, a in zip(samples, before_text, after_text, strict=True):
-            print(f"  {s}\n    before: {b!r}\n    after:  {a!r}")
+            print(f"  {prompt_text(s)!r}\n    before: {b!r}\n    after:  {a!r}")
         print(f"prefix saved to {path}")
         summary = {"recipe": "chatglm_ptuning", "metric": "heldout_answer_loss", "before": before, "after": after,
                    "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip

@@ -1,6 +1,7 @@
 """DeepSpeed-Chat's three RLHF steps on ds_plugin, on CPU with 2 processes: SFT, a reward model, then DPO.
 
     torchrun --standalone --nproc-per-node 2 examples/rlhf.py [--step all|sft|reward|dpo] [--model PATH] [--smoke]
+        [--step sft|reward|dpo --data train.jsonl [--eval-data test.jsonl]] [--sft-data A --pref-data B]
 
 1. SFT: LoRA on a tiny Llama (built from a config, nothing is downloaded) whose frozen base is stored INT4 and
    sharded by ZeRO-3, on mixed-quality demonstrations (examples/data/rlhf_sft.jsonl, good one time in four).
@@ -11,7 +12,10 @@
    margin, and the reward model's mean score of answers sampled for held-out questions.
 Text is read as bytes; `--model PATH` uses a local causal-LM checkpoint and its tokenizer for every model instead,
 streamed (`ds_plugin.load_pretrained`): each rank reads only the rows it keeps.
-`--step` runs one step alone, reading earlier steps' output from --out-dir.
+`--step` runs one step alone, reading earlier steps' output from --out-dir. Your own JSON Lines: `--data` (and
+`--eval-data`, else `--eval-fraction` of it held out) feeds the step `--step` names: SFT rows ({"prompt",
+"response"}, Alpaca's or chat's) for sft, preference rows ({"prompt", "chosen", "rejected"}) for reward and dpo;
+`--step all` takes `--sft-data` and `--pref-data`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _recipe_common import check_model, load_tokenizer, pad, pyplot, save_figure, until
+from _recipe_data import SFT, DataError, answer_loss_sums, fail, fraction, load_rows, sft_batch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.optim import AdamW
 from tqdm import tqdm
@@ -39,13 +44,14 @@ from ds_plugin.peft_adapters import full_state_dict
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
 DATA = Path(__file__).parent / "data"
+ROWS: dict[str, tuple[list[dict], list[dict]]] = {}  # "sft" and "pref": (training rows, held-out rows), from main()
 DEVICE, TOK = torch.device("cpu"), load_tokenizer(None)  # main() picks this rank's GPU, --model's tokenizer
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")  # every projection; not the head
 
 
-def rows(name: str, split: str, share: bool = False) -> list[dict]:
-    """A split of a data file; with share=True, this rank's share of it."""
-    found = [r for r in map(json.loads, (DATA / name).read_text().splitlines()) if r["split"] == split]
+def rows(kind: str, split: str, share: bool = False) -> list[dict]:
+    """The "sft" or "pref" rows of a split ("train" or "test"); with share=True, this rank's share of them."""
+    found = ROWS[kind][split == "test"]
     return found[dist.get_rank() :: dist.get_world_size()] if share else found
 
 
@@ -132,7 +138,7 @@ def zero3(frozen_format: str = "none") -> dict:
 
 def step_sft(args) -> dict:
     """LoRA on the INT4 actor base, loss on the response tokens only."""
-    train_rows, mine = rows("rlhf_sft.jsonl", "train"), rows("rlhf_sft.jsonl", "test", share=True)
+    train_rows, mine = rows("sft", "train"), rows("sft", "test", share=True)
     if args.model:
         actor = llama(AutoModelForCausalLM, 128, 4, args.model, peft_config=LORA, frozen_format="int4")
     else:
@@ -140,8 +146,11 @@ def step_sft(args) -> dict:
     engine = ds_plugin.initialize(actor, zero3("int4"), optimizer=partial(AdamW, lr=2e-3))
 
     def loss_on(batch: list[dict]) -> torch.Tensor:
-        logps = response_logps(engine, [r["prompt"] for r in batch], [r["response"] for r in batch])
-        return -(logps / torch.tensor([len(r["response"]) + 1 for r in batch], device=DEVICE)).mean()
+        """Each row's mean loss on its answer tokens (every assistant turn of a chat row), averaged over rows."""
+        ids, mask, labels = sft_batch(TOK, batch, DEVICE)
+        per_row = [answer_loss_sums(logits[None], row[None]) for logits, row in
+                   zip(engine(input_ids=ids, attention_mask=mask).logits, labels, strict=True)]  # fmt: skip
+        return torch.stack([total / count for total, count in per_row]).mean()
 
     with torch.no_grad():
         before = mean_over_ranks(loss_on(mine).item())[0]
@@ -154,7 +163,7 @@ def step_sft(args) -> dict:
 
 def step_reward(args) -> dict:
     """A fully trained small reward model: pairwise loss, held-out pairwise accuracy."""
-    train_rows, mine = rows("rlhf_pairs.jsonl", "train"), rows("rlhf_pairs.jsonl", "test", share=True)
+    train_rows, mine = rows("pref", "train"), rows("pref", "test", share=True)
     rm = llama(AutoModelForSequenceClassification, 64, 2, args.model)
     engine = ds_plugin.initialize(rm, zero3(), optimizer=partial(AdamW, lr=5e-4))
 
@@ -180,9 +189,9 @@ def step_dpo(args) -> dict:
     """DPO of the SFT actor against an INT8 reference; scored by the reward model on held-out questions."""
     if not all((args.out_dir / need).exists() for need in ("sft_adapter", "reward_model")):
         raise SystemExit(f"no sft_adapter/ or reward_model/ in {args.out_dir}: run --step sft and --step reward first")
-    train_rows, mine = rows("rlhf_pairs.jsonl", "train"), rows("rlhf_pairs.jsonl", "test", share=True)
+    train_rows, mine = rows("pref", "train"), rows("pref", "test", share=True)
     rank, world = dist.get_rank(), dist.get_world_size()
-    questions = sorted({r["prompt"] for r in rows("rlhf_pairs.jsonl", "test")})[rank::world] * args.samples
+    questions = sorted({r["prompt"] for r in rows("pref", "test")})[rank::world] * args.samples
 
     # The SFT model merged into one set of weights twice over: the actor's frozen base (a fresh LoRA trains on it)
     # and the reference, both stored INT8 and sharded, the reference with no optimizer. At step 0 they are equal.
@@ -257,6 +266,21 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def load_data(args) -> None:
+    """ROWS from --data/--eval-data (the step --step names) or --sft-data/--pref-data, else the shipped files."""
+    step = "dpo" if args.step == "rl" else args.step
+    if args.data and step == "all":
+        fail("--data", DataError("feeds the step --step names; with --step all pass --sft-data and --pref-data"))
+    reads = {"sft": ["sft"], "reward": ["pref"], "dpo": ["pref"], "all": ["sft", "pref"]}[step]
+    for kind in reads:
+        formats, default = (SFT, "rlhf_sft.jsonl") if kind == "sft" else (("preference",), "rlhf_pairs.jsonl")
+        own = getattr(args, f"{kind}_data")
+        data, flag = (args.data, "--data") if args.data else (own, f"--{kind}-data")
+        eval_data = args.eval_data if step != "all" else None
+        ROWS[kind] = load_rows(data, eval_data, args.eval_fraction, formats, DATA / default,
+                               ascii_only=not args.model, flags=(flag, "--eval-data"))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", default="all", choices=["all", "sft", "reward", "dpo", "rl"], help="rl = dpo")
@@ -269,8 +293,14 @@ def main() -> None:
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: tiny random Llamas)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/rlhf"))
     parser.add_argument("--smoke", action="store_true", help="a short run: 40 SFT, 30 reward and 20 DPO steps")
+    parser.add_argument("--data", help="training rows of the step --step names (JSON Lines; default: shipped data)")
+    parser.add_argument("--eval-data", help="held-out rows of that step (default: --eval-fraction of --data)")
+    parser.add_argument("--eval-fraction", type=fraction, default=0.1, help="held out when --eval-data is absent")
+    parser.add_argument("--sft-data", help="SFT rows (--step all or sft): {prompt, response}, Alpaca's or chat's")
+    parser.add_argument("--pref-data", help="preference rows (--step all, reward or dpo): {prompt, chosen, rejected}")
     args = parser.parse_args()
     check_model(args.model, reward_model=True)  # a wrong --model: one line, before anything loads
+    load_data(args)  # a bad data file: one line, before any process group starts
     if args.smoke:
         args.sft_steps, args.rm_steps, args.dpo_steps, args.samples = 40, 30, 20, 2
     start = time.perf_counter()
