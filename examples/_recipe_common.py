@@ -191,3 +191,87 @@ def plot_sft(losses: list[float], history: list[tuple[int, float]], path: Path, 
     right.plot(*zip(*history, strict=True), marker="o")
     right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
     save_figure(fig, path)
+
+
+# -- reload checks: what a recipe saved, on a fresh base, against the trained engine's own logits -------------------
+CHECK_FILE = "reload_check.pt"  # beside the saved weights: held-out input, the engine's logits on it, the tolerance
+
+
+def save_engine_logits(folder: Path, ids: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor, tolerance: float,
+                       why: str) -> None:  # fmt: skip
+    """Keep the engine's logits on held-out input (its real tokens only) next to what it saved; rank 0 calls it."""
+    picked = logits[mask.bool()] if logits.dim() == 3 else logits  # a reward model gives one score per row
+    check = {"input_ids": ids.cpu(), "attention_mask": mask.cpu(), "logits": picked.float().cpu(),
+             "tolerance": tolerance, "why": why}  # fmt: skip
+    torch.save(check, Path(folder) / CHECK_FILE)
+
+
+@torch.no_grad()
+def reload_mismatch(model: torch.nn.Module, folder: Path) -> tuple[float, str | None]:
+    """The largest difference between `model`'s logits (what `folder` holds, reloaded onto a fresh base) and the
+    engine's, on the held-out input kept in `folder`; and the one-line complaint when it exceeds the tolerance
+    (a NaN does too), else None."""
+    check = torch.load(Path(folder) / CHECK_FILE, weights_only=True)
+    ids, mask = check["input_ids"], check["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    picked = logits[mask.bool()] if logits.dim() == 3 else logits
+    diff = (picked - check["logits"]).abs().max().item()
+    if diff <= check["tolerance"]:
+        return diff, None
+    return diff, (f"reload check failed: {folder} reloaded onto a fresh base gives logits up to {diff:.3g} away from "
+                  f"the trained engine's on held-out input (tolerance {check['tolerance']:g}: {check['why']}); "
+                  "the saved files do not hold what was trained")  # fmt: skip
+
+
+def reload_check(reload, folder: Path) -> float:
+    """Every rank calls it: rank 0 rebuilds the model (`reload()`) and compares (`reload_mismatch`); a mismatch
+    ends every rank with exit code 1 and one line on stderr. Returns the largest difference (rank 0's)."""
+    import torch.distributed as dist
+
+    result = [reload_mismatch(reload(), folder) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(result)
+    diff, problem = result[0]
+    if problem:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            sys.stderr.write(f"{Path(sys.argv[0]).name}: {problem}\n")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(1)
+    return diff
+
+
+def lora_tolerance(plan, low_precision: bool) -> tuple[float, str]:
+    """The LoRA recipes' reload-check tolerance (max |logit difference|) and why, for the engine's ZeRO plan.
+
+    fp32 without qwZ: 0, the engine's operations on the same values. qwZ gathers every weight not stored quantized
+    (embedding, norms, LoRA) as INT8 blocks in the engine's forward, which the reloaded model does not: measured up
+    to 0.33 at logits up to 6.2 (the tiny Llama after --smoke), hence 0.5. bf16 compute: 1.0 (not measured here)."""
+    if low_precision:
+        return 1.0, "bf16 compute"
+    if plan.quantized_weights_block is not None:
+        return 0.5, "qwZ gathers unquantized weights as INT8"
+    return 0.0, "fp32, the same operations: bit for bit"
+
+
+def reload_lora(adapter: Path, model_path: str | None, frozen_format: str, base=None, **streamed) -> torch.nn.Module:
+    """The saved LoRA adapter on a fresh copy of the base (`base()`, default the LoRA SFT recipes' tiny Llama; or
+    `model_path`, streamed: its frozen weights quantized as they are read, never a whole full-precision copy, with
+    `streamed` passed on to `load_pretrained`), stored as in training; one process."""
+    import ds_plugin
+
+    if model_path:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        model = ds_plugin.load_pretrained(model_path, peft_config=LoraConfig.from_pretrained(adapter),
+                                          frozen_format=frozen_format, **streamed)  # fmt: skip
+        result = set_peft_model_state_dict(model, load_file(Path(adapter) / "adapter_model.safetensors"))
+        if result.unexpected_keys:
+            raise ValueError(f"{adapter}: tensors the model has no place for: {result.unexpected_keys[:3]}")
+        return model.eval()
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base() if base else lora_sft_model(0), adapter).eval()
+    ds_plugin.quantize_frozen_(model, frozen_format)
+    return model

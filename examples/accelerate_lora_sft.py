@@ -27,7 +27,19 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _recipe_common import LORA_TARGETS, check_model, load_tokenizer, lora_sft_model, pad, plot_sft, until
+from _recipe_common import (
+    LORA_TARGETS,
+    check_model,
+    load_tokenizer,
+    lora_sft_model,
+    lora_tolerance,
+    pad,
+    plot_sft,
+    reload_check,
+    reload_lora,
+    save_engine_logits,
+    until,
+)
 from _recipe_data import DATA as DATA_DIR
 from _recipe_data import (
     SFT,
@@ -92,7 +104,7 @@ def evaluate(accelerator: Accelerator, model, tok, held_out: list[dict]) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--evals", type=int, default=4, help="held-out evaluations during training (plus one before)")
+    parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per process per step")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -164,6 +176,15 @@ def main() -> None:
 
     # Collective: every process calls it; the main one gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(accelerator.engine, args.out_dir / "adapter")
+    # The reload check (as examples/lora_sft.py's): the adapter as saved, on a fresh base stored the same way, must
+    # give the engine's own logits on held-out rows: bit for bit in fp32, within a tolerance under qwZ or bf16.
+    ids, mask, _ = sft_batch(tok, held_out[:4], accelerator.device)
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids, attention_mask=mask).logits
+    if accelerator.is_main_process:
+        tolerance, why = lora_tolerance(accelerator.engine.plan, low_precision=precision != "no")
+        save_engine_logits(path, ids, mask, logits, tolerance, why)
+    reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)
     if accelerator.is_main_process:
         plan = describe_plan(accelerator.engine.plan)
         print(f"\n{plan}; {args.frozen_format} frozen base ({base}); LoRA r={args.lora_rank}")
@@ -181,9 +202,9 @@ def main() -> None:
                 "answer loss (mean over processes)",
                 "LoRA SFT with Accelerate",
             )
-        print(f"adapter saved to {path}")
+        print(f"adapter saved to {path}; on a fresh base, logits within {reload_diff:.2g} of the engine's")
         summary["seconds"] = round(time.perf_counter() - start, 1)
-        details = {"history": history, "eval_losses": eval_losses, "answers": answers}
+        details = {"history": history, "eval_losses": eval_losses, "answers": answers, "reload_max_diff": reload_diff}
         (args.out_dir / "summary.json").write_text(json.dumps({**summary, **details}))
         print(json.dumps(summary))
     accelerator.wait_for_everyone()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -30,16 +31,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _recipe_common import check_model, load_tokenizer, pyplot, save_figure
+from _recipe_common import check_model, load_tokenizer, pyplot, reload_check, save_engine_logits, save_figure
 from _recipe_data import DATA as DATA_DIR
-from _recipe_data import SFT, add_data_args, encode, load_rows, prompt_text
-from peft import PrefixTuningConfig, get_peft_model
+from _recipe_data import SFT, add_data_args, answer_tokens, encode, load_rows, prompt_text
+from peft import PeftModel, PrefixTuningConfig, get_peft_model
 from tqdm import tqdm
 
 import ds_plugin
 
 DATA = DATA_DIR / "adgen_tiny.jsonl"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The reload check's largest |logit difference| by compute dtype: the engine computes the prefix from fp32 masters
+# and casts it, the reloaded model reads it as saved; measured (CPU) in the README.
+RELOAD_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values, peft still uses it
 
 
@@ -72,6 +76,22 @@ def streamed_model(args) -> torch.nn.Module:
     fmt = None if args.frozen_format == "none" else args.frozen_format
     return ds_plugin.load_pretrained(args.model, peft_config=prefix_config(hidden, args), frozen_format=fmt,
                                      dtype=DTYPES[args.precision], defer=True)  # fmt: skip
+
+
+def reload_prefix(folder: Path, model_path: str | None, precision: str, frozen_format: str) -> torch.nn.Module:
+    """The saved prefix on a fresh base stored as in training (in the compute dtype, or quantized as read); one
+    process. `--model` is read row by row, frozen weights quantized as they come (`ds_plugin.load_pretrained`)."""
+    if model_path:
+        fmt = None if frozen_format == "none" else frozen_format
+        base = ds_plugin.load_pretrained(model_path, frozen=True, frozen_format=fmt, dtype=DTYPES[precision])
+    else:
+        base = build_base(None)
+        if frozen_format != "none":
+            ds_plugin.quantize_frozen_(base, frozen_format)
+    model = PeftModel.from_pretrained(base, folder).eval()
+    for p in model.parameters():  # as the engine stores them: parameters in the compute dtype, buffers (rotary) fp32
+        p.data = p.data.to(DTYPES[precision])
+    return model
 
 
 def collate(tok, rows: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,6 +140,38 @@ def generate(model, tok, row: dict, device: torch.device, new_tokens: int = 48) 
     return tok.decode(out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out, skip_special_tokens=True)
 
 
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 (Lin, 2004; beta 1), ChatGLM's ADGEN metric: the longest common subsequence of the two token
+    lists against their lengths. Tokens are lower-cased words and punctuation marks, and single CJK characters
+    (ChatGLM segments Chinese with jieba first; characters are the segmentation-free stand-in)."""
+    split = re.compile(r"[\u4e00-\u9fff]|[^\W\u4e00-\u9fff]+|[^\w\s]")
+    cand, ref = split.findall(candidate.lower()), split.findall(reference.lower())
+    row = [0] * (len(ref) + 1)  # LCS lengths against each prefix of ref, one row per token of cand
+    for token in cand:
+        prev_diag, row[0] = 0, 0
+        for j, other in enumerate(ref, start=1):
+            prev_diag, row[j] = row[j], prev_diag + 1 if token == other else max(row[j], row[j - 1])
+    lcs = row[-1]
+    return 0.0 if lcs == 0 else 2 * lcs / (len(cand) + len(ref))
+
+
+@torch.no_grad()
+def held_out_generations(model, tok, rows: list[dict], device: torch.device, limit: int) -> tuple[float, list[str]]:
+    """Greedy answers to (up to `limit` of) the held-out rows, each rank its share and as many forwards on every
+    rank (each ZeRO-3 forward is a collective), gathered in order; and their mean ROUGE-L F1 x 100 against the
+    references."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    count = max(world, min(limit, len(rows)) // world * world)  # the same number of rows on every rank
+    picked = [rows[i % len(rows)] for i in range(count)]
+    new_tokens = answer_tokens(tok, picked)
+    mine = [generate(model, tok, r, device, new_tokens) for r in picked[rank::world]]
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    texts = [shares[i % world][i // world] for i in range(count)]
+    score = sum(rouge_l(t, r["response"]) for t, r in zip(texts, picked, strict=True)) / count
+    return 100 * score, texts
+
+
 def plot(losses: list[float], evals: list[tuple[int, float]], title: str, path: Path) -> None:
     if (plt := pyplot()) is None:
         return
@@ -152,6 +204,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/chatglm_ptuning"))
     parser.add_argument("--smoke", action="store_true", help="a short run: 60 steps")
     add_data_args(parser, "{content, summary} rows, or the SFT formats")
+    parser.add_argument("--rouge-rows", type=int, default=24, help="held-out rows answered for ROUGE-L (greedy)")
     args = parser.parse_args()
     check_model(args.model, architectures=("GlmForCausalLM", "Glm4ForCausalLM"))  # a wrong --model: one line
     # A bad data file: one line, before any process group starts.
@@ -169,7 +222,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    samples = held_out[:3]
+    samples = held_out[:3]  # printed before and after; the first of the ROUGE-L rows
 
     if args.model:
         model = streamed_model(args)
@@ -185,7 +238,7 @@ def main() -> None:
     engine = ds_plugin.initialize(model, config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1 - s / args.steps)  # ChatGLM's decay
     # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 prints them.
-    before_text = [generate(engine.eval(), tok, s, device) for s in samples]
+    rouge0, before_text = held_out_generations(engine.eval(), tok, held_out, device, args.rouge_rows)
 
     evals = [(0, *held_out_loss(engine, tok, held_out, device))]
     gen = torch.Generator().manual_seed(1)
@@ -211,8 +264,17 @@ def main() -> None:
 
     engine.eval()
     # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 prints them.
-    after_text = [generate(engine, tok, s, device) for s in samples]
+    rouge1, after_text = held_out_generations(engine, tok, held_out, device, args.rouge_rows)
     path = ds_plugin.save_adapter(engine, args.out_dir / "prefix")  # only the prefix encoder's output is written
+    # The reload check: the prefix as saved, on a fresh base stored the same way, must give the engine's logits on
+    # held-out rows (within RELOAD_TOLERANCE: the compute dtype's rounding).
+    ids, _, mask = collate(tok, held_out[:4], device)
+    with torch.no_grad():
+        logits = engine(input_ids=ids, attention_mask=mask).logits
+    if rank == 0:
+        why = f"{args.precision} compute"
+        save_engine_logits(path, ids, mask, logits, RELOAD_TOLERANCE[args.precision], why)
+    reload_diff = reload_check(lambda: reload_prefix(path, args.model, args.precision, args.frozen_format), path)
     if rank == 0:
         (before, acc0), (after, acc1) = evals[0][1:], evals[-1][1:]
         plot(losses, [(s, v) for s, v, _ in evals], f"P-Tuning v2 (pre_seq_len {args.pre_seq_len}), GLM, ZeRO-"
@@ -221,12 +283,15 @@ def main() -> None:
               f"{trainable:,} trained; ZeRO-{args.stage} {args.precision}, frozen {args.frozen_format}, "
               f"{world} ranks")  # fmt: skip
         print(f"held-out answer loss {before:.3f} -> {after:.3f}, next-token accuracy {acc0:.2f} -> {acc1:.2f}")
-        for s, b, a in zip(samples, before_text, after_text, strict=True):
+        print(f"held-out ROUGE-L (F1 x 100, greedy, {len(after_text)} rows) {rouge0:.1f} -> {rouge1:.1f}")
+        for s, b, a in zip(samples, before_text[:3], after_text[:3], strict=True):
             print(f"  {prompt_text(s)!r}\n    before: {b!r}\n    after:  {a!r}")
-        print(f"prefix saved to {path}")
+        print(f"prefix saved to {path}; on a fresh base, logits within {reload_diff:.2g} of the engine's")
         summary = {"recipe": "chatglm_ptuning", "metric": "heldout_answer_loss", "before": before, "after": after,
-                   "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
-        (args.out_dir / "summary.json").write_text(json.dumps({**summary, "evals": evals, "after_text": after_text}))
+                   "heldout_rouge_l": [rouge0, rouge1], "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+        (args.out_dir / "summary.json").write_text(
+            json.dumps({**summary, "evals": evals, "after_text": after_text, "reload_max_diff": reload_diff})
+        )
         print(json.dumps(summary))
     dist.barrier()
     dist.destroy_process_group()

@@ -31,7 +31,19 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from _recipe_common import LORA_TARGETS, check_model, load_tokenizer, lora_sft_model, pad, plot_sft, until
+from _recipe_common import (
+    LORA_TARGETS,
+    check_model,
+    load_tokenizer,
+    lora_sft_model,
+    lora_tolerance,
+    pad,
+    plot_sft,
+    reload_check,
+    reload_lora,
+    save_engine_logits,
+    until,
+)
 from _recipe_data import DATA as DATA_DIR
 from _recipe_data import (
     SFT,
@@ -94,6 +106,9 @@ class LoRASFT(pl.LightningModule):
         if self.model is None:
             self.model = lora_sft_model(self.lora_rank, self.model_path, self.frozen_format)
 
+    def forward(self, **batch: torch.Tensor):
+        return self.model(**batch)  # through the strategy's root module, which gathers the root's weights
+
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         ids, mask, labels = batch
         loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -137,7 +152,7 @@ class LoRASFT(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--evals", type=int, default=4, help="held-out evaluations during training (plus one before)")
+    parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per rank per step")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -197,6 +212,15 @@ def main() -> None:
         dist.all_reduce(losses, op=dist.ReduceOp.AVG)
     # Collective: every rank calls it, rank 0 gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(engine, args.out_dir / "adapter")
+    # The reload check: the adapter as saved, on a fresh base stored the same way (INT4), must give the engine's own
+    # logits on held-out rows: bit for bit in fp32, within a tolerance under qwZ or bf16 (`lora_tolerance`).
+    ids, mask, _ = sft_batch(tok, held_out[:4], trainer.strategy.root_device)
+    with torch.no_grad():
+        logits = engine.eval()(input_ids=ids, attention_mask=mask).logits
+    tolerance, why = lora_tolerance(engine.plan, low_precision=args.precision != "32-true")
+    if trainer.is_global_zero:
+        save_engine_logits(path, ids, mask, logits, tolerance, why)
+    reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)
     if trainer.is_global_zero:
         seconds = time.perf_counter() - start
         stage = trainer.strategy.config.stage
@@ -222,11 +246,11 @@ def main() -> None:
                 "answer loss (mean over ranks)",
                 "LoRA SFT, INT4 base, ZeRO++",
             )
-        print(f"adapter saved to {path}")
+        print(f"adapter saved to {path}; on a fresh base, logits within {reload_diff:.2g} of the engine's")
         summary["seconds"] = round(seconds, 1)
-        (args.out_dir / "summary.json").write_text(
-            json.dumps({**summary, "history": module.history, "eval_losses": module.eval_losses, "answers": answers})
-        )
+        details = {"history": module.history, "eval_losses": module.eval_losses, "answers": answers,
+                   "reload_max_diff": reload_diff}  # fmt: skip
+        (args.out_dir / "summary.json").write_text(json.dumps({**summary, **details}))
         print(json.dumps(summary))
     if dist.is_initialized():
         dist.barrier()

@@ -31,7 +31,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _recipe_common import check_model, load_tokenizer, pad, pyplot, save_figure, until
+from _recipe_common import (
+    check_model,
+    load_tokenizer,
+    pad,
+    pyplot,
+    reload_check,
+    reload_lora,
+    save_engine_logits,
+    save_figure,
+    until,
+)
 from _recipe_data import SFT, DataError, answer_loss_sums, fail, fraction, load_rows, sft_batch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.optim import AdamW
@@ -130,6 +140,24 @@ def train(engine, loss_fn, data: list, size: int, steps: int, desc: str) -> list
     return history
 
 
+def check_reload(engine, folder: Path, reload, kind: str) -> float:
+    """What `folder` holds, reloaded onto a fresh base stored the same way (`reload()`, on rank 0), must give the
+    engine's own logits (the reward model's scores) on held-out rows: bit for bit in fp32 (the engine's operations
+    on the same values); on GPUs (bf16 compute) within 0.25."""
+    held = rows(kind, "test")[:4]
+    if kind == "pref":
+        ids, mask = pad([text_ids(r["prompt"], r["chosen"])[0] for r in held], TOK.pad_token_id, DEVICE)
+    else:
+        ids, mask, _ = sft_batch(TOK, held, DEVICE)
+    with torch.no_grad():
+        logits = engine.eval()(input_ids=ids, attention_mask=mask).logits
+    if dist.get_rank() == 0:
+        exact = DEVICE.type == "cpu"
+        why = "fp32, the same operations: bit for bit" if exact else "bf16 compute"
+        save_engine_logits(folder, ids, mask, logits, 0.0 if exact else 0.25, why)
+    return reload_check(reload, folder)
+
+
 def zero3(frozen_format: str = "none") -> dict:
     # bf16 on GPUs; fp32 on CPUs, where bf16 matmuls without AVX512-BF16/AMX run several times slower.
     return {"zero_optimization": {"stage": 3, "frozen_format": frozen_format}, "gradient_clipping": 1.0,
@@ -157,8 +185,11 @@ def step_sft(args) -> dict:
     history = train(engine, loss_on, train_rows, 16, args.sft_steps, "1/3 SFT")
     with torch.no_grad():
         after = mean_over_ranks(loss_on(mine).item())[0]
-    ds_plugin.save_adapter(engine, args.out_dir / "sft_adapter")
-    return {"metric": "heldout_response_loss", "before": before, "after": after, "curve": history}
+    folder = ds_plugin.save_adapter(engine, args.out_dir / "sft_adapter")
+    base = partial(llama, AutoModelForCausalLM, 128, 4, None)
+    diff = check_reload(engine, folder, lambda: reload_lora(folder, args.model, "int4", base), "sft")
+    return {"metric": "heldout_response_loss", "before": before, "after": after, "curve": history,
+            "reload_max_diff": diff}  # fmt: skip
 
 
 def step_reward(args) -> dict:
@@ -180,9 +211,19 @@ def step_reward(args) -> dict:
     history = train(engine, lambda b: -F.logsigmoid(margins(b)).mean(), train_rows, 16, args.rm_steps, "2/3 reward")
     after = accuracy()
     state = full_state_dict(engine)  # whole fp32 weights on rank 0; a collective
-    engine.module.save_pretrained(args.out_dir / "reward_model", state_dict=state, is_main_process=dist.get_rank() == 0)
+    folder = args.out_dir / "reward_model"
+    engine.module.save_pretrained(folder, state_dict=state, is_main_process=dist.get_rank() == 0)
+    del state  # the reload check's copy is then the only whole one
     dist.barrier()
-    return {"metric": "heldout_pairwise_accuracy", "before": before, "after": after, "curve": history}
+
+    def reload() -> torch.nn.Module:
+        if args.model:  # read as saved, fp32 (the reward model is trained whole, in fp32)
+            return ds_plugin.load_pretrained(folder, model_class=AutoModelForSequenceClassification, frozen=True)
+        return AutoModelForSequenceClassification.from_pretrained(folder).eval()
+
+    diff = check_reload(engine, folder, reload, "pref")
+    return {"metric": "heldout_pairwise_accuracy", "before": before, "after": after, "curve": history,
+            "reload_max_diff": diff}  # fmt: skip
 
 
 def step_dpo(args) -> dict:
@@ -242,10 +283,13 @@ def step_dpo(args) -> dict:
     evals = [(0, *evaluate(seed=3))]
     history = train(policy, dpo_loss, train_rows, 8, args.dpo_steps, "3/3 DPO")
     evals.append((args.dpo_steps, *evaluate(seed=3)))
-    ds_plugin.save_adapter(policy, args.out_dir / "dpo_adapter")
+    folder = ds_plugin.save_adapter(policy, args.out_dir / "dpo_adapter")
     examples = sample(policy, questions[:3], torch.Generator().manual_seed(5))
+    reload = partial(reload_lora, folder, args.model, "int8", sft_model, merge_adapter=sft["merge_adapter"])
+    diff = check_reload(policy, folder, reload, "pref")
     return {"metric": "reward_model_score", "before": evals[0][3], "after": evals[-1][3], "curve": history,
-            "evals": evals, "examples": list(zip(questions[:3], first, examples, strict=True))}  # fmt: skip
+            "evals": evals, "examples": list(zip(questions[:3], first, examples, strict=True)),
+            "reload_max_diff": diff}  # fmt: skip
 
 
 def plot(results: dict, path: Path) -> None:
