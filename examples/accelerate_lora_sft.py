@@ -182,7 +182,7 @@ def main() -> None:
     with torch.no_grad():
         logits = model.eval()(input_ids=ids, attention_mask=mask).logits
     if accelerator.is_main_process:
-        tolerance, why = lora_tolerance(accelerator.engine.plan, low_precision=precision != "no")
+        tolerance, why = lora_tolerance(accelerator.engine.plan, precision != "no", torch.cuda.is_available())
         save_engine_logits(path, ids, mask, logits, tolerance, why)
     reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)
     if accelerator.is_main_process:

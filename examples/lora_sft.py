@@ -217,7 +217,7 @@ def main() -> None:
     ids, mask, _ = sft_batch(tok, held_out[:4], trainer.strategy.root_device)
     with torch.no_grad():
         logits = engine.eval()(input_ids=ids, attention_mask=mask).logits
-    tolerance, why = lora_tolerance(engine.plan, low_precision=args.precision != "32-true")
+    tolerance, why = lora_tolerance(engine.plan, args.precision != "32-true", gpu)
     if trainer.is_global_zero:
         save_engine_logits(path, ids, mask, logits, tolerance, why)
     reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)

@@ -373,8 +373,12 @@ def main() -> None:
                 print(f"        {question!r}\n          SFT: {sft!r}\n          DPO: {dpo!r}")
         print(f"adapters and reward model in {args.out_dir}; base: {args.model or 'tiny random Llamas'}")
         last = results[chosen[-1]]
-        print(json.dumps({"recipe": "rlhf", "metric": last["metric"], "before": last["before"], "after": last["after"],
-                          "seconds": round(time.perf_counter() - start, 1)}))  # fmt: skip
+        line = {"recipe": "rlhf", "metric": last["metric"], "before": last["before"], "after": last["after"]}
+        for name, r in results.items():  # every step's held-out signal, before and after
+            line[f"{name}_{r['metric']}"] = [r["before"], r["after"]]
+        if "dpo" in results:
+            line["dpo_heldout_preference_accuracy"] = [acc0, acc1]
+        print(json.dumps({**line, "seconds": round(time.perf_counter() - start, 1)}))
     dist.barrier()
     dist.destroy_process_group()
 
