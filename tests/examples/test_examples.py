@@ -377,3 +377,8 @@ def test_lora_sft_local_model(tmp_path, monkeypatch):
     common = importlib.import_module("_recipe_common")
     adapter = tmp_path / "out/adapter"
     assert common.reload_mismatch(common.reload_lora(adapter, model_path, "int4"), adapter)[1] is None
+
+
+def test_chat_needs_a_recipe_output(tmp_path, monkeypatch, capsys):
+    err = fails_with_one_line("chat.py", ["--path", str(tmp_path), "--prompt", "hi"], monkeypatch, capsys)
+    assert err.startswith(f"chat.py: error: --path {tmp_path}: no saved adapter or prefix in it (looked for "), err
