@@ -12,7 +12,8 @@ other wordings. `--data PATH` trains on your own JSON Lines, in the formats exam
 `--model PATH` loads a local checkpoint (a causal LM with Llama's projections) and its tokenizer instead.
 Written against `ds_plugin.accelerate.Accelerator`: the DeepSpeed config comes from `--ds-config` when launched
 through `-m ds_plugin.accelerate`, else from `--config`. At the end the adapter is saved with
-`ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto a base stored the same way.
+`ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto a base stored the same way; the
+recipe does so and checks the logits on held-out rows against the engine's.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ the GLM is a tiny random one built from a config and the text is read as bytes (
 it keeps) and uses its tokenizer instead. Compute
 is bf16 on GPUs and on CPUs with bf16 units, else fp32 (a CPU without them runs bf16 matmuls ~8x slower). At the
 end the prefix is saved with `ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto
-the base.
+the base, as the recipe then does, checking the logits on held-out rows against the engine's. Held-out signals:
+answer loss, next-token accuracy and ROUGE-L of greedy answers.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ import ds_plugin
 
 DATA = DATA_DIR / "adgen_tiny.jsonl"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# The reload check's largest |logit difference| when the engine runs on a GPU and the reload on the CPU (other
-# kernels, so other rounding), by compute dtype. Both on the CPU: 0, the same operations on the same values.
-RELOAD_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
+# The reload check's largest |logit difference| by compute dtype. On a CPU the reload does the engine's operations
+# on the same values: bit for bit in the recipe, the margin lets another thread count (a test) repeat the check. From
+# a GPU (other kernels, other rounding): larger.
+RELOAD_TOLERANCE = {"cpu": {"fp32": 1e-5, "bf16": 0.1}, "cuda": {"fp32": 1e-3, "bf16": 0.25}}
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values, peft still uses it
 
 
@@ -267,13 +269,13 @@ def main() -> None:
     rouge1, after_text = held_out_generations(engine, tok, held_out, device, args.rouge_rows)
     path = ds_plugin.save_adapter(engine, args.out_dir / "prefix")  # only the prefix encoder's output is written
     # The reload check: the prefix as saved, on a fresh base stored the same way, must give the engine's logits on
-    # held-out rows: bit for bit on a CPU, within RELOAD_TOLERANCE from a GPU.
+    # held-out rows, within RELOAD_TOLERANCE.
     ids, _, mask = collate(tok, held_out[:4], device)
     with torch.no_grad():
         logits = engine(input_ids=ids, attention_mask=mask).logits
     if rank == 0:
-        tolerance = 0.0 if device.type == "cpu" else RELOAD_TOLERANCE[args.precision]
-        why = "the same operations: bit for bit" if device.type == "cpu" else f"{args.precision} on a GPU, then a CPU"
+        tolerance = RELOAD_TOLERANCE[device.type][args.precision]
+        why = f"{args.precision}, " + ("the same operations" if device.type == "cpu" else "GPU kernels, then CPU")
         save_engine_logits(path, ids, mask, logits, tolerance, why)
     reload_diff = reload_check(lambda: reload_prefix(path, args.model, args.precision, args.frozen_format), path)
     if rank == 0:

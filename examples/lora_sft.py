@@ -12,7 +12,8 @@ your own JSON Lines instead: {"prompt", "response"}, Alpaca's {"instruction", "i
 (`frozen_format`) and sharded by ZeRO-3; LoRA adapters on every projection are the only trained weights. Text is
 read as bytes, so no tokenizer is needed; `--model PATH` loads a local checkpoint (a causal LM with Llama's
 projections) and its tokenizer instead. At the end the adapter is saved with `ds_plugin.save_adapter`: a peft
-folder that `PeftModel.from_pretrained` loads onto a base stored the same way (`ds_plugin.quantize_frozen_`).
+folder that `PeftModel.from_pretrained` loads onto a base stored the same way (`ds_plugin.quantize_frozen_`), as
+the recipe then does itself: the reloaded model's logits on held-out rows must match the engine's (`reload_check`).
 Lightning starts the second process by running this script again. On 8 GPUs:
 `python examples/lora_sft.py --devices 8 --precision bf16-mixed`.
 """

@@ -15,7 +15,8 @@ streamed (`ds_plugin.load_pretrained`): each rank reads only the rows it keeps.
 `--step` runs one step alone, reading earlier steps' output from --out-dir. Your own JSON Lines: `--data` (and
 `--eval-data`, else `--eval-fraction` of it held out) feeds the step `--step` names: SFT rows ({"prompt",
 "response"}, Alpaca's or chat's) for sft, preference rows ({"prompt", "chosen", "rejected"}) for reward and dpo;
-`--step all` takes `--sft-data` and `--pref-data`.
+`--step all` takes `--sft-data` and `--pref-data`. Each step reloads what it saved onto a fresh base stored the same
+way and checks its logits on held-out rows against the engine's (`check_reload`).
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ def train(engine, loss_fn, data: list, size: int, steps: int, desc: str) -> list
 
 def check_reload(engine, folder: Path, reload, kind: str) -> float:
     """What `folder` holds, reloaded onto a fresh base stored the same way (`reload()`, on rank 0), must give the
-    engine's own logits (the reward model's scores) on held-out rows: bit for bit in fp32 (the engine's operations
-    on the same values); on GPUs (bf16 compute) within 0.25."""
+    engine's own logits (the reward model's scores) on held-out rows: fp32 on a CPU, the engine's operations on the
+    same values, so within 1e-5 (bit for bit here; the margin lets another thread count repeat the check); on GPUs
+    (bf16 compute) within 0.25."""
     held = rows(kind, "test")[:4]
     if kind == "pref":
         ids, mask = pad([text_ids(r["prompt"], r["chosen"])[0] for r in held], TOK.pad_token_id, DEVICE)
@@ -153,8 +155,8 @@ def check_reload(engine, folder: Path, reload, kind: str) -> float:
         logits = engine.eval()(input_ids=ids, attention_mask=mask).logits
     if dist.get_rank() == 0:
         exact = DEVICE.type == "cpu"
-        why = "fp32, the same operations: bit for bit" if exact else "bf16 compute"
-        save_engine_logits(folder, ids, mask, logits, 0.0 if exact else 0.25, why)
+        why = "fp32, the same operations" if exact else "bf16 compute"
+        save_engine_logits(folder, ids, mask, logits, 1e-5 if exact else 0.25, why)
     return reload_check(reload, folder)
 
 

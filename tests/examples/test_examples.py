@@ -221,7 +221,7 @@ def test_chatglm_ptuning(tmp_path, monkeypatch, capsys):
     check_reload_fails_when_altered(tmp_path, "prefix", reload, tmp_path)
     # The attention mask covers the prefix and hides the padding: a row alone gives its logits in a padded batch.
     model, tok, cpu = reload(tmp_path / "prefix"), glm.load_tokenizer(None), torch.device("cpu")
-    held_out = [glm.normalize(r) for r in map(json.loads, glm.DATA.read_text().splitlines()) if r["split"] == "test"]
+    held_out = importlib.import_module("_recipe_data").load_rows(None, None, 0.1, ("adgen",), glm.DATA)[1]
     ids, _, mask = glm.collate(tok, held_out[:4], cpu)
     short = int(mask.sum(1).argmin())
     length = int(mask[short].sum())
