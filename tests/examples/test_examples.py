@@ -159,7 +159,7 @@ def test_lora_sft(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "lora_sft.png").is_file() or not HAS_MATPLOTLIB
     # The recipe reloaded its adapter onto a fresh INT4 base and compared the logits with the engine's (asserted
     # there: it would have exited 1); the same check here, and once more with one byte of the adapter changed.
-    assert 0 < saved["reload_max_diff"] <= 0.5 and "on a fresh base, logits within" in out, saved["reload_max_diff"]
+    assert 0 < saved["reload_max_diff"] <= 1.0 and "on a fresh base, logits within" in out, saved["reload_max_diff"]
     chat_recipe = recipe("chat.py", monkeypatch)
     check_reload_fails_when_altered(tmp_path, "adapter", lambda f: chat_recipe.load(f, None, None), tmp_path)
     answers = chat(tmp_path, ["What is 3 plus 4? ", "2 + 2 = "], monkeypatch, capsys)
@@ -184,7 +184,7 @@ def test_accelerate_lora_sft(tmp_path, monkeypatch, capsys):
     saved = json.loads((tmp_path / "out/summary.json").read_text())
     assert [step for step, _ in saved["history"]] == [0, 120] and saved["history"][-1][1] == result["after"], saved
     assert (tmp_path / "out/accelerate_lora_sft.png").is_file() or not HAS_MATPLOTLIB
-    assert 0 < saved["reload_max_diff"] <= 0.5, saved["reload_max_diff"]  # qwZ (zeropp)
+    assert 0 < saved["reload_max_diff"] <= 1.0, saved["reload_max_diff"]  # qwZ (zeropp)
     chat_recipe = recipe("chat.py", monkeypatch)
     check_reload_fails_when_altered(tmp_path / "out", "adapter", lambda f: chat_recipe.load(f, None, None), tmp_path)
     chat(tmp_path / "out", ["User: Spell backwards: lamp\nAssistant: "], monkeypatch, capsys, "--raw")
@@ -373,7 +373,7 @@ def test_lora_sft_local_model(tmp_path, monkeypatch):
     # The recipe reloaded the adapter onto the checkpoint (stored INT4, read row by row) and compared the logits
     # with the engine's, in the checkpoint's tokenizer (no pad token: the recipe pads with EOS).
     saved = json.loads((tmp_path / "out/summary.json").read_text())
-    assert 0 < saved["reload_max_diff"] <= 0.5, saved["reload_max_diff"]  # qwZ (zeropp)
+    assert 0 < saved["reload_max_diff"] <= 1.0, saved["reload_max_diff"]  # qwZ (zeropp)
     monkeypatch.syspath_prepend(str(EXAMPLES))
     common = importlib.import_module("_recipe_common")
     adapter = tmp_path / "out/adapter"
