@@ -2,16 +2,18 @@
 
     accelerate launch --config_file examples/with_accelerate/cpu_2proc.yaml -m ds_plugin.accelerate \
         --ds-config zeropp examples/accelerate_lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] \
-        [--model PATH] [--smoke]
+        [--model PATH] [--smoke] [--data train.jsonl [--eval-data test.jsonl | --eval-fraction 0.1]]
     torchrun --standalone --nproc-per-node 2 examples/accelerate_lora_sft.py      # the same, ZeRO++ by default
 
 A tiny Llama built from a config (nothing is downloaded) learns single-digit sums (examples/data/arithmetic.jsonl)
 through LoRA adapters on every projection; its frozen Linear weights are stored as INT4 codes and sharded by the
-engine. Held-out exact match is the signal: one row in five is held out, its sum seen only under other wordings.
+engine. Held-out exact match and answer loss are the signals: one row in five is held out, its sum seen only under
+other wordings. `--data PATH` trains on your own JSON Lines, in the formats examples/lora_sft.py reads.
 `--model PATH` loads a local checkpoint (a causal LM with Llama's projections) and its tokenizer instead.
 Written against `ds_plugin.accelerate.Accelerator`: the DeepSpeed config comes from `--ds-config` when launched
 through `-m ds_plugin.accelerate`, else from `--config`. At the end the adapter is saved with
-`ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto a base stored the same way.
+`ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto a base stored the same way; the
+recipe does so and checks the logits on held-out rows against the engine's.
 """
 
 from __future__ import annotations
@@ -28,14 +30,28 @@ from pathlib import Path
 import torch
 from _recipe_common import (
     LORA_TARGETS,
-    SftExamples,
-    arithmetic_rows,
     check_model,
     load_tokenizer,
     lora_sft_model,
+    lora_tolerance,
     pad,
     plot_sft,
+    reload_check,
+    reload_lora,
+    save_engine_logits,
     until,
+)
+from _recipe_data import DATA as DATA_DIR
+from _recipe_data import (
+    SFT,
+    SftExamples,
+    add_data_args,
+    answer_loss_sums,
+    answer_tokens,
+    encode,
+    load_rows,
+    same_answer,
+    sft_batch,
 )
 from accelerate.utils import gather_object, set_seed
 from torch.utils.data import DataLoader
@@ -55,10 +71,10 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, tok, prompts: list[str], device, new_tokens: int = 3) -> list[str]:
-    """Greedy answers, left-padded so every row's last token is its own; a fixed number of steps on every rank
-    (each ZeRO-3 forward is a collective)."""
-    ids, mask = pad([tok.encode(p) for p in prompts], tok.pad_token_id, device, left=True)
+def greedy(model: torch.nn.Module, tok, prompts: list[list[int]], device, new_tokens: int = 3) -> list[str]:
+    """Greedy answers to prompts (token ids), left-padded so every row's last token is its own; a fixed number of
+    steps on every rank (each ZeRO-3 forward is a collective)."""
+    ids, mask = pad(prompts, tok.pad_token_id, device, left=True)
     width = ids.shape[1]
     for _ in range(new_tokens):
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)
@@ -68,21 +84,28 @@ def greedy(model: torch.nn.Module, tok, prompts: list[str], device, new_tokens: 
     return [tok.decode(until(row, tok.eos_token_id), skip_special_tokens=True) for row in ids[:, width:].tolist()]
 
 
-def exact_match(accelerator: Accelerator, model, tok, held_out: list[dict]) -> tuple[float, list[str]]:
-    """Each process answers its share of the held-out rows; the answers are gathered in order."""
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, model, tok, held_out: list[dict]) -> tuple[float, float, list[str]]:
+    """Held-out exact match and answer loss. Each process answers its share of the rows (the answers are gathered
+    in order) and sums the loss over it."""
     rank, world = accelerator.process_index, accelerator.num_processes
+    mine = held_out[rank::world]
     model.eval()
-    mine = greedy(model, tok, [r["prompt"] for r in held_out[rank::world]], accelerator.device)
+    prompts = [ids[:start] for ids, _, start in (encode(tok, r) for r in mine)]
+    answers = greedy(model, tok, prompts, accelerator.device, answer_tokens(tok, held_out))
+    ids, mask, labels = sft_batch(tok, mine, accelerator.device)
+    sums = accelerator.reduce(answer_loss_sums(model(input_ids=ids, attention_mask=mask).logits, labels), "sum")
     model.train()
-    shares = gather_object([mine])  # one list per process
+    shares = gather_object([answers])  # one list per process
     answers = [shares[i % world][i // world] for i in range(len(held_out))]
-    return sum(a == r["answer"] for a, r in zip(answers, held_out, strict=True)) / len(held_out), answers
+    correct = sum(same_answer(a, r["response"]) for a, r in zip(answers, held_out, strict=True))
+    return correct / len(held_out), (sums[0] / sums[1]).item(), answers
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--evals", type=int, default=4, help="held-out evaluations during training (plus one before)")
+    parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per process per step")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -91,9 +114,13 @@ def main() -> None:
     parser.add_argument("--mixed-precision", default=None, choices=["no", "bf16"], help="default: bf16 on GPUs")
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: a tiny random Llama)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/accelerate_lora_sft"))
+    add_data_args(parser, "{prompt, response}, {instruction, input, output} or {messages} rows")
     parser.add_argument("--smoke", action="store_true", help="a short run: 120 steps, one evaluation")
     args = parser.parse_args()
     params = check_model(args.model, lora_targets=LORA_TARGETS)  # a wrong --model: one line, before anything loads
+    train_rows, held_out = load_rows(
+        args.data, args.eval_data, args.eval_fraction, SFT, DATA_DIR / "arithmetic.jsonl", ascii_only=not args.model
+    )  # a bad data file: one line, before anything loads
     if args.smoke:
         args.steps, args.evals = 120, 1
     base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
@@ -106,7 +133,6 @@ def main() -> None:
     precision = args.mixed_precision or ("bf16" if torch.cuda.is_available() else "no")
     accelerator = Accelerator(zero_plugin=plugin, mixed_precision=precision, cpu=not torch.cuda.is_available())
     set_seed(0)
-    held_out = arithmetic_rows("test")
     if args.model:
         # Streamed: an empty model whose rows prepare reads into each process's shards, frozen weights stored INT4 as
         # they are read; no process ever holds the whole checkpoint.
@@ -115,7 +141,7 @@ def main() -> None:
         model = lora_sft_model(args.lora_rank)
         # Stored INT4 before prepare, whatever the config says; the engine shards the codes under ZeRO-3.
         ds_plugin.quantize_frozen_(model, args.frozen_format)
-    train = SftExamples(arithmetic_rows("train"), args.steps * args.micro_batch * accelerator.num_processes, tok)
+    train = SftExamples(train_rows, args.steps * args.micro_batch * accelerator.num_processes, tok)
     train_dl = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     # Accelerate steps a prepared scheduler once per process per optimizer step: count in those units.
@@ -124,8 +150,16 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curve)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
 
-    history, losses = [(0, exact_match(accelerator, model, tok, held_out)[0])], []
-    answers: list[str] = []
+    history, eval_losses, losses, answers = [], [], [], []  # held-out (step, exact match), (step, answer loss)
+
+    def held_out_eval(step: int) -> None:
+        nonlocal answers
+        em, loss, answers = evaluate(accelerator, model, tok, held_out)
+        history.append((step, em))
+        eval_losses.append((step, loss))
+
+    if args.evals:  # --evals 0: no held-out evaluation at all
+        held_out_eval(0)
     bar = tqdm(train_dl, desc="LoRA SFT", disable=not accelerator.is_main_process)
     for step, batch in enumerate(bar, start=1):
         loss = model(**batch).loss
@@ -136,30 +170,43 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % max(1, args.steps // args.evals) == 0 or step == args.steps:
-            em, answers = exact_match(accelerator, model, tok, held_out)
-            history.append((step, em))
-            bar.write(f"step {step:4d}  held-out exact match {em:.2f}")
+        if args.evals and (step % max(1, args.steps // args.evals) == 0 or step == args.steps):
+            held_out_eval(step)
+            em, loss = history[-1][1], eval_losses[-1][1]
+            bar.write(f"step {step:4d}  held-out exact match {em:.2f}, answer loss {loss:.3f}")
 
     # Collective: every process calls it; the main one gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(accelerator.engine, args.out_dir / "adapter")
+    # The reload check (as examples/lora_sft.py's): the adapter as saved, on a fresh base stored the same way, must
+    # give the engine's own logits on held-out rows: within 1e-5 in fp32, a wider tolerance under qwZ or bf16.
+    ids, mask, _ = sft_batch(tok, held_out[:4], accelerator.device)
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids, attention_mask=mask).logits
     if accelerator.is_main_process:
-        before, after = history[0][1], history[-1][1]
+        tolerance, why = lora_tolerance(accelerator.engine.plan, precision != "no", torch.cuda.is_available())
+        save_engine_logits(path, ids, mask, logits, tolerance, why)
+    reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)
+    if accelerator.is_main_process:
         plan = describe_plan(accelerator.engine.plan)
         print(f"\n{plan}; {args.frozen_format} frozen base ({base}); LoRA r={args.lora_rank}")
         print(f"answer loss {sum(losses[:10]) / 10:.3f} -> {sum(losses[-10:]) / 10:.3f} in {args.steps} steps")
-        print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums)")
-        print(f"adapter saved to {path}")
-        plot_sft(
-            losses,
-            history,
-            args.out_dir / "accelerate_lora_sft.png",
-            "answer loss (mean over processes)",
-            "LoRA SFT with Accelerate",
-        )
-        summary = {"recipe": "accelerate_lora_sft", "metric": "heldout_exact_match", "before": before,
-                   "after": after, "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
-        (args.out_dir / "summary.json").write_text(json.dumps({**summary, "history": history, "answers": answers}))
+        summary = {"recipe": "accelerate_lora_sft", "metric": "heldout_exact_match", "before": None, "after": None}
+        if history:
+            (_, before), (_, after), (_, loss0), (_, loss1) = history[0], history[-1], eval_losses[0], eval_losses[-1]
+            print(f"held-out exact match {before:.2f} -> {after:.2f}, answer loss {loss0:.3f} -> {loss1:.3f} "
+                  f"({len(held_out)} rows)")  # fmt: skip
+            summary.update(before=before, after=after, heldout_answer_loss=[loss0, loss1])
+            plot_sft(
+                losses,
+                history,
+                args.out_dir / "accelerate_lora_sft.png",
+                "answer loss (mean over processes)",
+                "LoRA SFT with Accelerate",
+            )
+        print(f"adapter saved to {path}; on a fresh base, logits within {reload_diff:.2g} of the engine's")
+        summary["seconds"] = round(time.perf_counter() - start, 1)
+        details = {"history": history, "eval_losses": eval_losses, "answers": answers, "reload_max_diff": reload_diff}
+        (args.out_dir / "summary.json").write_text(json.dumps({**summary, **details}))
         print(json.dumps(summary))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also destroys the process group

@@ -2,18 +2,21 @@
 
     torchrun --standalone --nproc-per-node 2 examples/chatglm_ptuning.py [--pre-seq-len 32] [--prefix-projection]
         [--stage 2|3] [--precision bf16|fp32] [--frozen-format none|int8|int4|nf4] [--model PATH] [--smoke]
+        [--data train.jsonl [--eval-data test.jsonl | --eval-fraction 0.1]]
     torchrun --standalone --nproc-per-node 8 examples/chatglm_ptuning.py --model PATH   # 8 GPUs, bf16
 
 As in ChatGLM's ptuning/ (ADGEN: attributes in, one line of ad copy out), `pre_seq_len` trained key/value vectors
 are prepended to every attention layer (peft's `PrefixTuningConfig`, `num_virtual_tokens=pre_seq_len`), optionally
 produced by a two-layer MLP (`--prefix-projection`); the GLM itself (`GlmForCausalLM`, native in transformers) is
-frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl. By default
+frozen, and only the prefix encoder is trained and saved. The data is examples/data/adgen_tiny.jsonl; `--data PATH`
+reads your own JSON Lines: ADGEN's {"content", "summary"} rows (or the SFT recipes' formats). By default
 the GLM is a tiny random one built from a config and the text is read as bytes (nothing is downloaded);
 `--model PATH` streams a local GLM checkpoint (GlmForCausalLM or Glm4ForCausalLM; each rank reads only the rows
 it keeps) and uses its tokenizer instead. Compute
 is bf16 on GPUs and on CPUs with bf16 units, else fp32 (a CPU without them runs bf16 matmuls ~8x slower). At the
 end the prefix is saved with `ds_plugin.save_adapter`: a peft folder that `PeftModel.from_pretrained` loads onto
-the base.
+the base, as the recipe then does, checking the logits on held-out rows against the engine's. Held-out signals:
+answer loss, next-token accuracy and ROUGE-L of greedy answers.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -28,14 +32,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _recipe_common import check_model, load_tokenizer, pyplot, save_figure
-from peft import PrefixTuningConfig, get_peft_model
+from _recipe_common import check_model, load_tokenizer, pyplot, reload_check, save_engine_logits, save_figure
+from _recipe_data import DATA as DATA_DIR
+from _recipe_data import SFT, add_data_args, answer_tokens, encode, load_rows, prompt_text
+from peft import PeftModel, PrefixTuningConfig, get_peft_model
 from tqdm import tqdm
 
 import ds_plugin
 
-DATA = Path(__file__).parent / "data" / "adgen_tiny.jsonl"
+DATA = DATA_DIR / "adgen_tiny.jsonl"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The reload check's largest |logit difference| by compute dtype. On a CPU the reload does the engine's operations
+# on the same values: bit for bit in the recipe, the margin lets another thread count (a test) repeat the check. From
+# a GPU (other kernels, other rounding): larger.
+RELOAD_TOLERANCE = {"cpu": {"fp32": 1e-5, "bf16": 0.1}, "cuda": {"fp32": 1e-3, "bf16": 0.25}}
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values, peft still uses it
 
 
@@ -70,15 +80,26 @@ def streamed_model(args) -> torch.nn.Module:
                                      dtype=DTYPES[args.precision], defer=True)  # fmt: skip
 
 
-def encode_row(tok, row: dict) -> tuple[list[int], list[int]]:
-    """ChatGLM's layout: the prompt (labels -100), then the answer and EOS, which the loss is taken on."""
-    prompt = tok.encode(f"{row['content']}\nAd: ")
-    answer = [*tok.encode(row["summary"], add_special_tokens=False), tok.eos_token_id]
-    return prompt + answer, [-100] * len(prompt) + answer
+def reload_prefix(folder: Path, model_path: str | None, precision: str, frozen_format: str) -> torch.nn.Module:
+    """The saved prefix on a fresh base stored as in training (in the compute dtype, or quantized as read); one
+    process. `--model` is read row by row, frozen weights quantized as they come (`ds_plugin.load_pretrained`)."""
+    if model_path:
+        fmt = None if frozen_format == "none" else frozen_format
+        base = ds_plugin.load_pretrained(model_path, frozen=True, frozen_format=fmt, dtype=DTYPES[precision])
+    else:
+        base = build_base(None)
+        if frozen_format != "none":
+            ds_plugin.quantize_frozen_(base, frozen_format)
+    model = PeftModel.from_pretrained(base, folder).eval()
+    for p in model.parameters():  # as the engine stores them: parameters in the compute dtype, buffers (rotary) fp32
+        p.data = p.data.to(DTYPES[precision])
+    return model
 
 
 def collate(tok, rows: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pairs = [encode_row(tok, r) for r in rows]
+    """ChatGLM's layout (`_recipe_data.encode`): the prompt (labels -100), then the answer and EOS, which the loss
+    is taken on; right-padded."""
+    pairs = [encode(tok, r)[:2] for r in rows]
     width = max(len(ids) for ids, _ in pairs)
     ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in pairs], device=device)
     labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in pairs], device=device)
@@ -108,16 +129,49 @@ def held_out_loss(model, tok, rows: list[dict], device: torch.device) -> tuple[f
 
 
 @torch.no_grad()
-def generate(model, tok, content: str, device: torch.device, new_tokens: int = 48) -> str:
-    """Greedy, one prompt, no KV cache: the prefix is re-attached every step. A fixed number of steps, so every
-    rank runs the same forwards (each ZeRO-3 forward is a collective)."""
-    ids = torch.tensor([tok.encode(f"{content}\nAd: ")], device=device)
+def generate(model, tok, row: dict, device: torch.device, new_tokens: int = 48) -> str:
+    """Greedy answer to a row's prompt, no KV cache: the prefix is re-attached every step. A fixed number of steps,
+    so every rank runs the same forwards (each ZeRO-3 forward is a collective)."""
+    prompt, _, start = encode(tok, row)
+    ids = torch.tensor([prompt[:start]], device=device)
     start = ids.shape[1]
     for _ in range(new_tokens):
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
         ids = torch.cat([ids, logits.argmax().view(1, 1)], 1)
     out = ids[0, start:].tolist()
     return tok.decode(out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out, skip_special_tokens=True)
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 (Lin, 2004; beta 1), ChatGLM's ADGEN metric: the longest common subsequence of the two token
+    lists against their lengths. Tokens are lower-cased words (punctuation dropped) and single CJK characters
+    (ChatGLM segments Chinese with jieba first; characters are the segmentation-free stand-in)."""
+    split = re.compile(r"[\u4e00-\u9fff]|[^\W\u4e00-\u9fff]+")
+    cand, ref = split.findall(candidate.lower()), split.findall(reference.lower())
+    row = [0] * (len(ref) + 1)  # LCS lengths against each prefix of ref, one row per token of cand
+    for token in cand:
+        prev_diag, row[0] = 0, 0
+        for j, other in enumerate(ref, start=1):
+            prev_diag, row[j] = row[j], prev_diag + 1 if token == other else max(row[j], row[j - 1])
+    lcs = row[-1]
+    return 0.0 if lcs == 0 else 2 * lcs / (len(cand) + len(ref))
+
+
+@torch.no_grad()
+def held_out_generations(model, tok, rows: list[dict], device: torch.device, limit: int) -> tuple[float, list[str]]:
+    """Greedy answers to (up to `limit` of) the held-out rows, each rank its share and as many forwards on every
+    rank (each ZeRO-3 forward is a collective), gathered in order; and their mean ROUGE-L F1 x 100 against the
+    references."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    count = max(world, min(limit, len(rows)) // world * world)  # the same number of rows on every rank
+    picked = [rows[i % len(rows)] for i in range(count)]
+    new_tokens = answer_tokens(tok, picked)
+    mine = [generate(model, tok, r, device, new_tokens) for r in picked[rank::world]]
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    texts = [shares[i % world][i // world] for i in range(count)]
+    score = sum(rouge_l(t, r["response"]) for t, r in zip(texts, picked, strict=True)) / count
+    return 100 * score, texts
 
 
 def plot(losses: list[float], evals: list[tuple[int, float]], title: str, path: Path) -> None:
@@ -151,8 +205,13 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per rank per step")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/chatglm_ptuning"))
     parser.add_argument("--smoke", action="store_true", help="a short run: 60 steps")
+    add_data_args(parser, "{content, summary} rows, or the SFT formats")
+    parser.add_argument("--rouge-rows", type=int, default=24, help="held-out rows answered for ROUGE-L (greedy)")
     args = parser.parse_args()
     check_model(args.model, architectures=("GlmForCausalLM", "Glm4ForCausalLM"))  # a wrong --model: one line
+    # A bad data file: one line, before any process group starts.
+    train, held_out = load_rows(args.data, args.eval_data, args.eval_fraction, ("adgen", *SFT), DATA,
+                                ascii_only=not args.model)  # fmt: skip
     args.steps = args.steps or (60 if args.smoke else 500)
     tok = load_tokenizer(args.model)  # bytes by default; a tokenizer without a pad token pads with EOS
     start = time.perf_counter()
@@ -165,9 +224,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
-    train, held_out = [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "test"]
-    samples = [r["content"] for r in held_out[:3]]
+    samples = held_out[:3]  # printed before and after; the first of the ROUGE-L rows
 
     if args.model:
         model = streamed_model(args)
@@ -183,7 +240,7 @@ def main() -> None:
     engine = ds_plugin.initialize(model, config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1 - s / args.steps)  # ChatGLM's decay
     # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 prints them.
-    before_text = [generate(engine.eval(), tok, s, device) for s in samples]
+    rouge0, before_text = held_out_generations(engine.eval(), tok, held_out, device, args.rouge_rows)
 
     evals = [(0, *held_out_loss(engine, tok, held_out, device))]
     gen = torch.Generator().manual_seed(1)
@@ -209,8 +266,18 @@ def main() -> None:
 
     engine.eval()
     # Every rank runs these forwards (each ZeRO-3 forward is a collective); rank 0 prints them.
-    after_text = [generate(engine, tok, s, device) for s in samples]
+    rouge1, after_text = held_out_generations(engine, tok, held_out, device, args.rouge_rows)
     path = ds_plugin.save_adapter(engine, args.out_dir / "prefix")  # only the prefix encoder's output is written
+    # The reload check: the prefix as saved, on a fresh base stored the same way, must give the engine's logits on
+    # held-out rows, within RELOAD_TOLERANCE.
+    ids, _, mask = collate(tok, held_out[:4], device)
+    with torch.no_grad():
+        logits = engine(input_ids=ids, attention_mask=mask).logits
+    if rank == 0:
+        tolerance = RELOAD_TOLERANCE[device.type][args.precision]
+        why = f"{args.precision}, " + ("the same operations" if device.type == "cpu" else "GPU kernels, then CPU")
+        save_engine_logits(path, ids, mask, logits, tolerance, why)
+    reload_diff = reload_check(lambda: reload_prefix(path, args.model, args.precision, args.frozen_format), path)
     if rank == 0:
         (before, acc0), (after, acc1) = evals[0][1:], evals[-1][1:]
         plot(losses, [(s, v) for s, v, _ in evals], f"P-Tuning v2 (pre_seq_len {args.pre_seq_len}), GLM, ZeRO-"
@@ -219,12 +286,15 @@ def main() -> None:
               f"{trainable:,} trained; ZeRO-{args.stage} {args.precision}, frozen {args.frozen_format}, "
               f"{world} ranks")  # fmt: skip
         print(f"held-out answer loss {before:.3f} -> {after:.3f}, next-token accuracy {acc0:.2f} -> {acc1:.2f}")
-        for s, b, a in zip(samples, before_text, after_text, strict=True):
-            print(f"  {s}\n    before: {b!r}\n    after:  {a!r}")
-        print(f"prefix saved to {path}")
+        print(f"held-out ROUGE-L (F1 x 100, greedy, {len(after_text)} rows) {rouge0:.1f} -> {rouge1:.1f}")
+        for s, b, a in zip(samples, before_text[:3], after_text[:3], strict=True):
+            print(f"  {prompt_text(s)!r}\n    before: {b!r}\n    after:  {a!r}")
+        print(f"prefix saved to {path}; on a fresh base, logits within {reload_diff:.2g} of the engine's")
         summary = {"recipe": "chatglm_ptuning", "metric": "heldout_answer_loss", "before": before, "after": after,
-                   "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
-        (args.out_dir / "summary.json").write_text(json.dumps({**summary, "evals": evals, "after_text": after_text}))
+                   "heldout_rouge_l": [rouge0, rouge1], "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+        (args.out_dir / "summary.json").write_text(
+            json.dumps({**summary, "evals": evals, "after_text": after_text, "reload_max_diff": reload_diff})
+        )
         print(json.dumps(summary))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,15 +1,19 @@
 """LoRA SFT on an INT4 frozen base with ZeRO++, through the Lightning Trainer: a tiny Llama learns to add.
 
     python examples/lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] [--model PATH] [--smoke]
+        [--data train.jsonl [--eval-data test.jsonl | --eval-fraction 0.1]]
 
 The data is examples/data/arithmetic.jsonl: single-digit sums under five wordings ("What is 3 plus 4? ",
 "3 + 4 = ", ...). One row in five is held out, so its sum was seen only under other wordings, and held-out exact
-match (greedy answer == the digits) measures what the adapter learned. The base model is built from a config
+match (greedy answer == the reference) and answer loss measure what the adapter learned. `--data PATH` trains on
+your own JSON Lines instead: {"prompt", "response"}, Alpaca's {"instruction", "input", "output"} or chat
+{"messages": [...]} rows (examples/_recipe_data.py). The base model is built from a config
 (nothing is downloaded) and stays frozen, its Linear weights stored as INT4 codes by the strategy
 (`frozen_format`) and sharded by ZeRO-3; LoRA adapters on every projection are the only trained weights. Text is
 read as bytes, so no tokenizer is needed; `--model PATH` loads a local checkpoint (a causal LM with Llama's
 projections) and its tokenizer instead. At the end the adapter is saved with `ds_plugin.save_adapter`: a peft
-folder that `PeftModel.from_pretrained` loads onto a base stored the same way (`ds_plugin.quantize_frozen_`).
+folder that `PeftModel.from_pretrained` loads onto a base stored the same way (`ds_plugin.quantize_frozen_`), as
+the recipe then does itself: the reloaded model's logits on held-out rows must match the engine's (`reload_check`).
 Lightning starts the second process by running this script again. On 8 GPUs:
 `python examples/lora_sft.py --devices 8 --precision bf16-mixed`.
 """
@@ -30,14 +34,29 @@ import torch
 import torch.distributed as dist
 from _recipe_common import (
     LORA_TARGETS,
-    SftExamples,
-    arithmetic_rows,
     check_model,
     load_tokenizer,
     lora_sft_model,
+    lora_tolerance,
     pad,
     plot_sft,
+    reload_check,
+    reload_lora,
+    save_engine_logits,
     until,
+)
+from _recipe_data import DATA as DATA_DIR
+from _recipe_data import (
+    SFT,
+    SftExamples,
+    add_data_args,
+    answer_loss_sums,
+    answer_tokens,
+    encode,
+    load_rows,
+    prompt_text,
+    same_answer,
+    sft_batch,
 )
 from lightning.pytorch.callbacks import TQDMProgressBar
 from torch.utils.data import DataLoader
@@ -55,9 +74,9 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, tok, prompts: list[str], new_tokens: int = 3) -> list[str]:
-    """Greedy answers for a batch of prompts, left-padded so every row's last token is its own."""
-    ids, mask = pad([tok.encode(p) for p in prompts], tok.pad_token_id, model.device, left=True)
+def greedy(model: torch.nn.Module, tok, prompts: list[list[int]], new_tokens: int = 3) -> list[str]:
+    """Greedy answers for a batch of prompts (token ids), left-padded so every row's last token is its own."""
+    ids, mask = pad(prompts, tok.pad_token_id, model.device, left=True)
     width = ids.shape[1]
     for _ in range(new_tokens):  # a fixed count on every rank: ZeRO-3 gathers weights in each forward
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)
@@ -75,8 +94,11 @@ class LoRASFT(pl.LightningModule):
         self.model = None if model_path else lora_sft_model(lora_rank)  # --model: built in configure_model
         self.lora_rank, self.model_path, self.frozen_format = lora_rank, model_path, frozen_format
         self.lr, self.steps, self.held_out, self.tok = lr, steps, held_out, tok
+        self.prompts = [ids[:start] for ids, _, start in (encode(tok, r) for r in held_out)]  # what is answered
+        self.new_tokens = answer_tokens(tok, held_out)
         self.losses: list[torch.Tensor] = []
         self.history: list[tuple[int, float]] = []  # (step, held-out exact match)
+        self.eval_losses: list[tuple[int, float]] = []  # (step, held-out answer loss)
         self.predictions: dict[int, str] = {}
 
     def configure_model(self) -> None:
@@ -84,6 +106,9 @@ class LoRASFT(pl.LightningModule):
         # only their rows from the checkpoint, quantizing the frozen weights as they come (never a whole copy).
         if self.model is None:
             self.model = lora_sft_model(self.lora_rank, self.model_path, self.frozen_format)
+
+    def forward(self, **batch: torch.Tensor):
+        return self.model(**batch)  # through the strategy's root module, which gathers the root's weights
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         ids, mask, labels = batch
@@ -94,11 +119,14 @@ class LoRASFT(pl.LightningModule):
 
     def validation_step(self, indices: list[int], batch_idx: int) -> None:
         # Runs inside the strategy's root forward, so ZeRO-3 has gathered the root's weights for us.
-        answers = greedy(self.model, self.tok, [self.held_out[i]["prompt"] for i in indices])
+        answers = greedy(self.model, self.tok, [self.prompts[i] for i in indices], self.new_tokens)
         self._mine.update(zip(indices, answers, strict=True))
+        ids, mask, labels = sft_batch(self.tok, [self.held_out[i] for i in indices], self.model.device)
+        self._loss += answer_loss_sums(self.model(input_ids=ids, attention_mask=mask).logits, labels)
 
     def on_validation_epoch_start(self) -> None:
         self._mine: dict[int, str] = {}
+        self._loss = torch.zeros(2, device=self.device)  # summed answer loss and token count, this rank's rows
 
     def on_validation_epoch_end(self) -> None:
         # Every rank answered its share of the held-out rows (the sampler pads the last shares with repeats: the
@@ -107,8 +135,11 @@ class LoRASFT(pl.LightningModule):
         if dist.is_initialized():
             dist.all_gather_object(shares, self._mine)
         self.predictions = {i: a for share in shares for i, a in share.items()}
-        correct = sum(a == self.held_out[i]["answer"] for i, a in self.predictions.items())
+        correct = sum(same_answer(a, self.held_out[i]["response"]) for i, a in self.predictions.items())
         self.history.append((self.global_step, correct / len(self.predictions)))
+        if dist.is_initialized():  # the sampler's repeats count twice here: a few rows in a hundred, at most
+            dist.all_reduce(self._loss)
+        self.eval_losses.append((self.global_step, (self._loss[0] / self._loss[1]).item()))
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.0)
@@ -122,7 +153,7 @@ class LoRASFT(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--evals", type=int, default=4, help="held-out evaluations during training (plus one before)")
+    parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per rank per step")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -132,9 +163,13 @@ def main() -> None:
     parser.add_argument("--devices", default=None, help="default: 2 processes on CPU, every GPU otherwise")
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: a tiny random Llama)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lora_sft"))
+    add_data_args(parser, "{prompt, response}, {instruction, input, output} or {messages} rows")
     parser.add_argument("--smoke", action="store_true", help="a short run: 120 steps, one evaluation")
     args = parser.parse_args()
     params = check_model(args.model, lora_targets=LORA_TARGETS)  # a wrong --model: one line, before anything loads
+    # A bad data file: one line, before anything loads (Lightning re-runs this script in its second process).
+    train_rows, held_out = load_rows(args.data, args.eval_data, args.eval_fraction, SFT, DATA_DIR / "arithmetic.jsonl",
+                                     ascii_only=not args.model)  # fmt: skip
     if args.smoke:
         args.steps, args.evals = 120, 1
     base = f"{args.model}, {params:,} parameters" if args.model else "a tiny random Llama"
@@ -146,8 +181,7 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     world = int(args.devices) if args.devices else (torch.cuda.device_count() if gpu else 2)
-    held_out = arithmetic_rows("test")
-    train = SftExamples(arithmetic_rows("train"), args.steps * args.micro_batch * world, tok)
+    train = SftExamples(train_rows, args.steps * args.micro_batch * world, tok)
     trainer = pl.Trainer(
         # The zeropp preset (ZeRO-3 + qwZ/hpZ/qgZ) with the frozen Linear weights stored in 4 bits.
         strategy=ZeroStrategy(args.strategy, zero_optimization={"frozen_format": args.frozen_format}),
@@ -155,9 +189,11 @@ def main() -> None:
         devices=world,
         precision=args.precision,
         max_steps=args.steps,
-        val_check_interval=max(1, args.steps // args.evals),
+        # --evals 0: no held-out evaluation at all, not even the one before training.
+        val_check_interval=max(1, args.steps // max(1, args.evals)),
+        limit_val_batches=1.0 if args.evals else 0,
         check_val_every_n_epoch=None,
-        num_sanity_val_steps=-1,  # the whole held-out set before training: the "before" number
+        num_sanity_val_steps=-1 if args.evals else 0,  # the whole held-out set before training: the "before" number
         gradient_clip_val=1.0,
         default_root_dir=args.out_dir,
         logger=False,
@@ -177,31 +213,45 @@ def main() -> None:
         dist.all_reduce(losses, op=dist.ReduceOp.AVG)
     # Collective: every rank calls it, rank 0 gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(engine, args.out_dir / "adapter")
+    # The reload check: the adapter as saved, on a fresh base stored the same way (INT4), must give the engine's own
+    # logits on held-out rows: within 1e-5 in fp32 on a CPU, a wider tolerance under qwZ or bf16 (`lora_tolerance`).
+    ids, mask, _ = sft_batch(tok, held_out[:4], trainer.strategy.root_device)
+    with torch.no_grad():
+        logits = engine.eval()(input_ids=ids, attention_mask=mask).logits
+    tolerance, why = lora_tolerance(engine.plan, args.precision != "32-true", gpu)
     if trainer.is_global_zero:
-        before, after = module.history[0][1], module.history[-1][1]
-        answers = [module.predictions[i] for i in range(len(held_out))]  # the last evaluation
+        save_engine_logits(path, ids, mask, logits, tolerance, why)
+    reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)
+    if trainer.is_global_zero:
         seconds = time.perf_counter() - start
         stage = trainer.strategy.config.stage
         print(
             f"\nZeRO stage {stage}, {args.frozen_format} frozen base ({base}); LoRA r={args.lora_rank}, {world} ranks"
         )
         print(f"answer loss {losses[:10].mean():.3f} -> {losses[-10:].mean():.3f} in {args.steps} steps")
-        print(f"held-out exact match {before:.2f} -> {after:.2f} ({len(held_out)} sums); e.g.")
-        for r, a in list(zip(held_out, answers, strict=True))[:4]:
-            print(f"  {r['prompt']!r} -> {a!r} (want {r['answer']!r})")
-        print(f"adapter saved to {path}")
-        plot_sft(
-            losses.tolist(),
-            module.history,
-            args.out_dir / "lora_sft.png",
-            "answer loss (mean over ranks)",
-            "LoRA SFT, INT4 base, ZeRO++",
-        )
-        summary = {"recipe": "lora_sft", "metric": "heldout_exact_match", "before": before, "after": after,
-                   "seconds": round(seconds, 1)}  # fmt: skip
-        (args.out_dir / "summary.json").write_text(
-            json.dumps({**summary, "history": module.history, "answers": answers})
-        )
+        summary = {"recipe": "lora_sft", "metric": "heldout_exact_match", "before": None, "after": None}
+        answers = []
+        if module.history:  # none with --evals 0
+            (_, before), (_, after) = module.history[0], module.history[-1]
+            (_, loss0), (_, loss1) = module.eval_losses[0], module.eval_losses[-1]
+            answers = [module.predictions[i] for i in range(len(held_out))]  # the last evaluation
+            print(f"held-out exact match {before:.2f} -> {after:.2f}, answer loss {loss0:.3f} -> {loss1:.3f} "
+                  f"({len(held_out)} rows); e.g.")  # fmt: skip
+            for r, a in list(zip(held_out, answers, strict=True))[:4]:
+                print(f"  {prompt_text(r)!r} -> {a!r} (want {r['response']!r})")
+            summary.update(before=before, after=after, heldout_answer_loss=[loss0, loss1])
+            plot_sft(
+                losses.tolist(),
+                module.history,
+                args.out_dir / "lora_sft.png",
+                "answer loss (mean over ranks)",
+                "LoRA SFT, INT4 base, ZeRO++",
+            )
+        print(f"adapter saved to {path}; on a fresh base, logits within {reload_diff:.2g} of the engine's")
+        summary["seconds"] = round(seconds, 1)
+        details = {"history": module.history, "eval_losses": module.eval_losses, "answers": answers,
+                   "reload_max_diff": reload_diff}  # fmt: skip
+        (args.out_dir / "summary.json").write_text(json.dumps({**summary, **details}))
         print(json.dumps(summary))
     if dist.is_initialized():
         dist.barrier()

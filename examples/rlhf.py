@@ -1,6 +1,7 @@
 """DeepSpeed-Chat's three RLHF steps on ds_plugin, on CPU with 2 processes: SFT, a reward model, then DPO.
 
     torchrun --standalone --nproc-per-node 2 examples/rlhf.py [--step all|sft|reward|dpo] [--model PATH] [--smoke]
+        [--step sft|reward|dpo --data train.jsonl [--eval-data test.jsonl]] [--sft-data A --pref-data B]
 
 1. SFT: LoRA on a tiny Llama (built from a config, nothing is downloaded) whose frozen base is stored INT4 and
    sharded by ZeRO-3, on mixed-quality demonstrations (examples/data/rlhf_sft.jsonl, good one time in four).
@@ -11,7 +12,11 @@
    margin, and the reward model's mean score of answers sampled for held-out questions.
 Text is read as bytes; `--model PATH` uses a local causal-LM checkpoint and its tokenizer for every model instead,
 streamed (`ds_plugin.load_pretrained`): each rank reads only the rows it keeps.
-`--step` runs one step alone, reading earlier steps' output from --out-dir.
+`--step` runs one step alone, reading earlier steps' output from --out-dir. Your own JSON Lines: `--data` (and
+`--eval-data`, else `--eval-fraction` of it held out) feeds the step `--step` names: SFT rows ({"prompt",
+"response"}, Alpaca's or chat's) for sft, preference rows ({"prompt", "chosen", "rejected"}) for reward and dpo;
+`--step all` takes `--sft-data` and `--pref-data`. Each step reloads what it saved onto a fresh base stored the same
+way and checks its logits on held-out rows against the engine's (`check_reload`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _recipe_common import check_model, load_tokenizer, pad, pyplot, save_figure, until
+from _recipe_common import (
+    check_model,
+    load_tokenizer,
+    pad,
+    pyplot,
+    reload_check,
+    reload_lora,
+    save_engine_logits,
+    save_figure,
+    until,
+)
+from _recipe_data import SFT, DataError, answer_loss_sums, fail, fraction, load_rows, sft_batch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.optim import AdamW
 from tqdm import tqdm
@@ -39,13 +55,14 @@ from ds_plugin.peft_adapters import full_state_dict
 # peft and transformers disagree on deprecated names (is_gradient_checkpointing, past_key_values): not ours.
 warnings.filterwarnings("ignore", category=FutureWarning)
 DATA = Path(__file__).parent / "data"
+ROWS: dict[str, tuple[list[dict], list[dict]]] = {}  # "sft" and "pref": (training rows, held-out rows), from main()
 DEVICE, TOK = torch.device("cpu"), load_tokenizer(None)  # main() picks this rank's GPU, --model's tokenizer
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")  # every projection; not the head
 
 
-def rows(name: str, split: str, share: bool = False) -> list[dict]:
-    """A split of a data file; with share=True, this rank's share of it."""
-    found = [r for r in map(json.loads, (DATA / name).read_text().splitlines()) if r["split"] == split]
+def rows(kind: str, split: str, share: bool = False) -> list[dict]:
+    """The "sft" or "pref" rows of a split ("train" or "test"); with share=True, this rank's share of them."""
+    found = ROWS[kind][split == "test"]
     return found[dist.get_rank() :: dist.get_world_size()] if share else found
 
 
@@ -124,6 +141,25 @@ def train(engine, loss_fn, data: list, size: int, steps: int, desc: str) -> list
     return history
 
 
+def check_reload(engine, folder: Path, reload, kind: str) -> float:
+    """What `folder` holds, reloaded onto a fresh base stored the same way (`reload()`, on rank 0), must give the
+    engine's own logits (the reward model's scores) on held-out rows: fp32 on a CPU, the engine's operations on the
+    same values, so within 1e-5 (bit for bit here; the margin lets another thread count repeat the check); on GPUs
+    (bf16 compute) within 0.25."""
+    held = rows(kind, "test")[:4]
+    if kind == "pref":
+        ids, mask = pad([text_ids(r["prompt"], r["chosen"])[0] for r in held], TOK.pad_token_id, DEVICE)
+    else:
+        ids, mask, _ = sft_batch(TOK, held, DEVICE)
+    with torch.no_grad():
+        logits = engine.eval()(input_ids=ids, attention_mask=mask).logits
+    if dist.get_rank() == 0:
+        exact = DEVICE.type == "cpu"
+        why = "fp32, the same operations" if exact else "bf16 compute"
+        save_engine_logits(folder, ids, mask, logits, 1e-5 if exact else 0.25, why)
+    return reload_check(reload, folder)
+
+
 def zero3(frozen_format: str = "none") -> dict:
     # bf16 on GPUs; fp32 on CPUs, where bf16 matmuls without AVX512-BF16/AMX run several times slower.
     return {"zero_optimization": {"stage": 3, "frozen_format": frozen_format}, "gradient_clipping": 1.0,
@@ -132,7 +168,7 @@ def zero3(frozen_format: str = "none") -> dict:
 
 def step_sft(args) -> dict:
     """LoRA on the INT4 actor base, loss on the response tokens only."""
-    train_rows, mine = rows("rlhf_sft.jsonl", "train"), rows("rlhf_sft.jsonl", "test", share=True)
+    train_rows, mine = rows("sft", "train"), rows("sft", "test", share=True)
     if args.model:
         actor = llama(AutoModelForCausalLM, 128, 4, args.model, peft_config=LORA, frozen_format="int4")
     else:
@@ -140,21 +176,27 @@ def step_sft(args) -> dict:
     engine = ds_plugin.initialize(actor, zero3("int4"), optimizer=partial(AdamW, lr=2e-3))
 
     def loss_on(batch: list[dict]) -> torch.Tensor:
-        logps = response_logps(engine, [r["prompt"] for r in batch], [r["response"] for r in batch])
-        return -(logps / torch.tensor([len(r["response"]) + 1 for r in batch], device=DEVICE)).mean()
+        """Each row's mean loss on its answer tokens (every assistant turn of a chat row), averaged over rows."""
+        ids, mask, labels = sft_batch(TOK, batch, DEVICE)
+        per_row = [answer_loss_sums(logits[None], row[None]) for logits, row in
+                   zip(engine(input_ids=ids, attention_mask=mask).logits, labels, strict=True)]  # fmt: skip
+        return torch.stack([total / count for total, count in per_row]).mean()
 
     with torch.no_grad():
         before = mean_over_ranks(loss_on(mine).item())[0]
     history = train(engine, loss_on, train_rows, 16, args.sft_steps, "1/3 SFT")
     with torch.no_grad():
         after = mean_over_ranks(loss_on(mine).item())[0]
-    ds_plugin.save_adapter(engine, args.out_dir / "sft_adapter")
-    return {"metric": "heldout_response_loss", "before": before, "after": after, "curve": history}
+    folder = ds_plugin.save_adapter(engine, args.out_dir / "sft_adapter")
+    base = partial(llama, AutoModelForCausalLM, 128, 4, None)
+    diff = check_reload(engine, folder, lambda: reload_lora(folder, args.model, "int4", base), "sft")
+    return {"metric": "heldout_response_loss", "before": before, "after": after, "curve": history,
+            "reload_max_diff": diff}  # fmt: skip
 
 
 def step_reward(args) -> dict:
     """A fully trained small reward model: pairwise loss, held-out pairwise accuracy."""
-    train_rows, mine = rows("rlhf_pairs.jsonl", "train"), rows("rlhf_pairs.jsonl", "test", share=True)
+    train_rows, mine = rows("pref", "train"), rows("pref", "test", share=True)
     rm = llama(AutoModelForSequenceClassification, 64, 2, args.model)
     engine = ds_plugin.initialize(rm, zero3(), optimizer=partial(AdamW, lr=5e-4))
 
@@ -171,18 +213,28 @@ def step_reward(args) -> dict:
     history = train(engine, lambda b: -F.logsigmoid(margins(b)).mean(), train_rows, 16, args.rm_steps, "2/3 reward")
     after = accuracy()
     state = full_state_dict(engine)  # whole fp32 weights on rank 0; a collective
-    engine.module.save_pretrained(args.out_dir / "reward_model", state_dict=state, is_main_process=dist.get_rank() == 0)
+    folder = args.out_dir / "reward_model"
+    engine.module.save_pretrained(folder, state_dict=state, is_main_process=dist.get_rank() == 0)
+    del state  # the reload check's copy is then the only whole one
     dist.barrier()
-    return {"metric": "heldout_pairwise_accuracy", "before": before, "after": after, "curve": history}
+
+    def reload() -> torch.nn.Module:
+        if args.model:  # read as saved, fp32 (the reward model is trained whole, in fp32)
+            return ds_plugin.load_pretrained(folder, model_class=AutoModelForSequenceClassification, frozen=True)
+        return AutoModelForSequenceClassification.from_pretrained(folder).eval()
+
+    diff = check_reload(engine, folder, reload, "pref")
+    return {"metric": "heldout_pairwise_accuracy", "before": before, "after": after, "curve": history,
+            "reload_max_diff": diff}  # fmt: skip
 
 
 def step_dpo(args) -> dict:
     """DPO of the SFT actor against an INT8 reference; scored by the reward model on held-out questions."""
     if not all((args.out_dir / need).exists() for need in ("sft_adapter", "reward_model")):
         raise SystemExit(f"no sft_adapter/ or reward_model/ in {args.out_dir}: run --step sft and --step reward first")
-    train_rows, mine = rows("rlhf_pairs.jsonl", "train"), rows("rlhf_pairs.jsonl", "test", share=True)
+    train_rows, mine = rows("pref", "train"), rows("pref", "test", share=True)
     rank, world = dist.get_rank(), dist.get_world_size()
-    questions = sorted({r["prompt"] for r in rows("rlhf_pairs.jsonl", "test")})[rank::world] * args.samples
+    questions = sorted({r["prompt"] for r in rows("pref", "test")})[rank::world] * args.samples
 
     # The SFT model merged into one set of weights twice over: the actor's frozen base (a fresh LoRA trains on it)
     # and the reference, both stored INT8 and sharded, the reference with no optimizer. At step 0 they are equal.
@@ -233,10 +285,13 @@ def step_dpo(args) -> dict:
     evals = [(0, *evaluate(seed=3))]
     history = train(policy, dpo_loss, train_rows, 8, args.dpo_steps, "3/3 DPO")
     evals.append((args.dpo_steps, *evaluate(seed=3)))
-    ds_plugin.save_adapter(policy, args.out_dir / "dpo_adapter")
+    folder = ds_plugin.save_adapter(policy, args.out_dir / "dpo_adapter")
     examples = sample(policy, questions[:3], torch.Generator().manual_seed(5))
+    reload = partial(reload_lora, folder, args.model, "int8", sft_model, merge_adapter=sft["merge_adapter"])
+    diff = check_reload(policy, folder, reload, "pref")
     return {"metric": "reward_model_score", "before": evals[0][3], "after": evals[-1][3], "curve": history,
-            "evals": evals, "examples": list(zip(questions[:3], first, examples, strict=True))}  # fmt: skip
+            "evals": evals, "examples": list(zip(questions[:3], first, examples, strict=True)),
+            "reload_max_diff": diff}  # fmt: skip
 
 
 def plot(results: dict, path: Path) -> None:
@@ -257,6 +312,21 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def load_data(args) -> None:
+    """ROWS from --data/--eval-data (the step --step names) or --sft-data/--pref-data, else the shipped files."""
+    step = "dpo" if args.step == "rl" else args.step
+    if args.data and step == "all":
+        fail("--data", DataError("feeds the step --step names; with --step all pass --sft-data and --pref-data"))
+    reads = {"sft": ["sft"], "reward": ["pref"], "dpo": ["pref"], "all": ["sft", "pref"]}[step]
+    for kind in reads:
+        formats, default = (SFT, "rlhf_sft.jsonl") if kind == "sft" else (("preference",), "rlhf_pairs.jsonl")
+        own = getattr(args, f"{kind}_data")
+        data, flag = (args.data, "--data") if args.data else (own, f"--{kind}-data")
+        eval_data = args.eval_data if step != "all" else None
+        ROWS[kind] = load_rows(data, eval_data, args.eval_fraction, formats, DATA / default,
+                               ascii_only=not args.model, flags=(flag, "--eval-data"))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", default="all", choices=["all", "sft", "reward", "dpo", "rl"], help="rl = dpo")
@@ -269,8 +339,14 @@ def main() -> None:
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: tiny random Llamas)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/rlhf"))
     parser.add_argument("--smoke", action="store_true", help="a short run: 40 SFT, 30 reward and 20 DPO steps")
+    parser.add_argument("--data", help="training rows of the step --step names (JSON Lines; default: shipped data)")
+    parser.add_argument("--eval-data", help="held-out rows of that step (default: --eval-fraction of --data)")
+    parser.add_argument("--eval-fraction", type=fraction, default=0.1, help="held out when --eval-data is absent")
+    parser.add_argument("--sft-data", help="SFT rows (--step all or sft): {prompt, response}, Alpaca's or chat's")
+    parser.add_argument("--pref-data", help="preference rows (--step all, reward or dpo): {prompt, chosen, rejected}")
     args = parser.parse_args()
     check_model(args.model, reward_model=True)  # a wrong --model: one line, before anything loads
+    load_data(args)  # a bad data file: one line, before any process group starts
     if args.smoke:
         args.sft_steps, args.rm_steps, args.dpo_steps, args.samples = 40, 30, 20, 2
     start = time.perf_counter()
@@ -299,8 +375,12 @@ def main() -> None:
                 print(f"        {question!r}\n          SFT: {sft!r}\n          DPO: {dpo!r}")
         print(f"adapters and reward model in {args.out_dir}; base: {args.model or 'tiny random Llamas'}")
         last = results[chosen[-1]]
-        print(json.dumps({"recipe": "rlhf", "metric": last["metric"], "before": last["before"], "after": last["after"],
-                          "seconds": round(time.perf_counter() - start, 1)}))  # fmt: skip
+        line = {"recipe": "rlhf", "metric": last["metric"], "before": last["before"], "after": last["after"]}
+        for name, r in results.items():  # every step's held-out signal, before and after
+            line[f"{name}_{r['metric']}"] = [r["before"], r["after"]]
+        if "dpo" in results:
+            line["dpo_heldout_preference_accuracy"] = [acc0, acc1]
+        print(json.dumps({**line, "seconds": round(time.perf_counter() - start, 1)}))
     dist.barrier()
     dist.destroy_process_group()
 

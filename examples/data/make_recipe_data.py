@@ -53,7 +53,7 @@ def write(name: str, rows: list[dict]) -> None:
 
 
 def arithmetic(rng: random.Random) -> list[dict]:
-    rows = [{"prompt": t.format(a=a, b=b), "answer": str(a + b)} for t in SUM_TEMPLATES for a in range(10)
+    rows = [{"prompt": t.format(a=a, b=b), "response": str(a + b)} for t in SUM_TEMPLATES for a in range(10)
             for b in range(10)]  # fmt: skip
     rng.shuffle(rows)
     held = len(rows) // 5  # one row in five held out: its sum is almost always seen under another wording

@@ -17,13 +17,16 @@ import json
 import os
 import re
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import unseen_data
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +75,7 @@ def summary(out: str, recipe: str) -> dict:
     lines = [line for line in out.splitlines() if line.startswith('{"recipe"')]
     assert lines, f"no JSON summary line:\n{out[-3000:]}"
     result = json.loads(lines[-1])
-    assert set(result) == {"recipe", "metric", "before", "after", "seconds"} and result["recipe"] == recipe, result
+    assert {"recipe", "metric", "before", "after", "seconds"} <= set(result) and result["recipe"] == recipe, result
     return result
 
 
@@ -86,37 +89,45 @@ def recipe(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-def reloaded_lora(adapter: Path, monkeypatch: pytest.MonkeyPatch, model_path: str | None = None):
-    """The saved LoRA adapter on a fresh copy of the LoRA recipes' base (or `model_path`, streamed: its frozen
-    weights stored INT4 as they are read, never a whole full-precision copy), stored INT4 as in training; also the
-    recipes' shared module, for their data and tokenizer."""
-    from peft import LoraConfig, PeftModel, set_peft_model_state_dict
-    from safetensors.torch import load_file
+def flip_one_byte(out_dir: Path, name: str, dest: Path) -> Path:
+    """A copy of a recipe's --out-dir with one byte of `name`'s weights file changed (the top byte of the middle
+    element of its first q_proj tensor, else of its first tensor: a value every held-out logit depends on);
+    returns the altered folder."""
+    shutil.copytree(out_dir, dest, ignore=shutil.ignore_patterns("*.png"))
+    weights = next((dest / name).glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    tensors = {k: v for k, v in json.loads(data[8 : 8 + length]).items() if k != "__metadata__"}
+    tensor = tensors[next((k for k in sorted(tensors) if "q_proj" in k), sorted(tensors)[0])]
+    size = {"F32": 4, "BF16": 2, "F16": 2}[tensor["dtype"]]
+    start, end = tensor["data_offsets"]
+    data[8 + length + start + (end - start) // size // 2 * size + size - 1] ^= 0x40  # little-endian: the top byte
+    weights.write_bytes(bytes(data))
+    return dest / name
 
-    import ds_plugin
 
-    monkeypatch.syspath_prepend(str(EXAMPLES))
+def check_reload_fails_when_altered(out_dir: Path, name: str, reload, tmp_path: Path) -> None:
+    """The recipe's reload check (its held-out input and the engine's logits, kept beside the weights) passes on
+    what the recipe saved and fails once one byte of the weights file is changed."""
     common = importlib.import_module("_recipe_common")
-    if model_path:
-        model = ds_plugin.load_pretrained(model_path, peft_config=LoraConfig.from_pretrained(adapter),
-                                          frozen_format="int4")  # fmt: skip
-        result = set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
-        assert not result.unexpected_keys, result.unexpected_keys
-        return model.eval(), common
-    model = PeftModel.from_pretrained(common.lora_sft_model(0), adapter).eval()
-    ds_plugin.quantize_frozen_(model, "int4")
-    return model, common
+    diff, problem = common.reload_mismatch(reload(out_dir / name), out_dir / name)
+    assert problem is None, problem
+    altered = flip_one_byte(out_dir, name, tmp_path / f"altered_{name}")
+    diff, problem = common.reload_mismatch(reload(altered), altered)
+    assert problem and problem.startswith(f"reload check failed: {altered} reloaded onto a fresh base"), (diff, problem)
 
 
-def check_lora_reload(answers, engine_answers: list[str], held_out: list[dict], after: float) -> None:
-    """The reloaded adapter against the ENGINE's own answers of the run: under ZeRO++ the engine's forward gathers
-    the LoRA weights as INT8 (qwZ), so a near tie may tip and agreement is allowed to be a little under 100%."""
-    agree = sum(a == b for a, b in zip(answers, engine_answers, strict=True)) / len(engine_answers)
-    assert agree >= 0.9, (agree, list(zip(answers, engine_answers, strict=True)))
-    engine_em = sum(a == r["answer"] for a, r in zip(engine_answers, held_out, strict=True)) / len(held_out)
-    assert engine_em == after, (engine_em, after)  # summary.json's answers are the ones the metric was taken on
-    reloaded_em = sum(a == r["answer"] for a, r in zip(answers, held_out, strict=True)) / len(held_out)
-    assert abs(reloaded_em - after) <= 1 - agree + 1e-9, (reloaded_em, after, agree)
+def chat(path: Path, prompts: list[str], monkeypatch, capsys, *extra: str) -> list[str]:
+    """examples/chat.py on a recipe's --out-dir, in this process: the lines it prints, one answer per prompt (an
+    answer may hold newlines of its own)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    args = [str(EXAMPLES / "chat.py"), "--path", str(path), *(a for p in prompts for a in ("--prompt", p)), *extra]
+    monkeypatch.setattr(sys, "argv", args)
+    capsys.readouterr()
+    runpy.run_path(str(EXAMPLES / "chat.py"), run_name="__main__")
+    answers = capsys.readouterr().out.splitlines()
+    assert len(answers) >= len(prompts), answers
+    return answers
 
 
 @pytest.mark.long
@@ -135,55 +146,61 @@ def test_lightning_zeropp(tmp_path):
 
 
 @pytest.mark.long
-def test_lora_sft(tmp_path, monkeypatch):
+def test_lora_sft(tmp_path, monkeypatch, capsys):
     out = run([sys.executable, str(EXAMPLES / "lora_sft.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path, 480)
     result = summary(out, "lora_sft")
     assert result["metric"] == "heldout_exact_match" and result["after"] > result["before"], result
+    loss0, loss1 = result["heldout_answer_loss"]
+    assert loss1 < loss0 - 1.0, result  # nats per answer token, held out
     assert "ZeRO stage 3, int4 frozen base (a tiny random Llama); LoRA r=16, 2 ranks" in out, out[-2000:]
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert [step for step, _ in saved["history"]] == [0, 120] and saved["history"][-1][1] == result["after"], saved
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
     assert (tmp_path / "lora_sft.png").is_file() or not HAS_MATPLOTLIB
-
-    lightning_recipe = recipe("lora_sft.py", monkeypatch)
-    model, common = reloaded_lora(tmp_path / "adapter", monkeypatch)
-    held_out, tok = common.arithmetic_rows("test"), common.ByteTokenizer()
-    prompts = [r["prompt"] for r in held_out]
-    answers = [a for i in range(0, len(prompts), 25) for a in lightning_recipe.greedy(model, tok, prompts[i : i + 25])]
-    check_lora_reload(answers, saved["answers"], held_out, result["after"])
+    # The recipe reloaded its adapter onto a fresh INT4 base and compared the logits with the engine's (asserted
+    # there: it would have exited 1); the same check here, and once more with one byte of the adapter changed.
+    assert 0 < saved["reload_max_diff"] <= 1.0 and "on a fresh base, logits within" in out, saved["reload_max_diff"]
+    chat_recipe = recipe("chat.py", monkeypatch)
+    check_reload_fails_when_altered(tmp_path, "adapter", lambda f: chat_recipe.load(f, None, None), tmp_path)
+    answers = chat(tmp_path, ["What is 3 plus 4? ", "2 + 2 = "], monkeypatch, capsys)
+    assert all(a.strip().isdigit() for a in answers), answers  # the adapter answers with a number
 
 
 @pytest.mark.long
-def test_accelerate_lora_sft(tmp_path, monkeypatch):
-    # The README's command: Accelerate's launcher, ds_plugin's bootstrap, the zeropp preset as the DeepSpeed config.
+def test_accelerate_lora_sft(tmp_path, monkeypatch, capsys):
+    # The README's command: Accelerate's launcher, ds_plugin's bootstrap, the zeropp preset as the DeepSpeed config;
+    # on data the recipe has never seen: chat rows (a system turn, two user/assistant exchanges) asking for a word
+    # spelled backwards, held-out words in --eval-data.
+    train, held_out = unseen_data.write(tmp_path, "reverse_chat")
     cmd = [ACCELERATE, "launch", "--config_file", str(EXAMPLES / "with_accelerate/cpu_2proc.yaml"),
-           "-m", "ds_plugin.accelerate", "--ds-config", "zeropp",
-           str(EXAMPLES / "accelerate_lora_sft.py"), "--smoke", "--out-dir", str(tmp_path)]  # fmt: skip
+           "-m", "ds_plugin.accelerate", "--ds-config", "zeropp", str(EXAMPLES / "accelerate_lora_sft.py"), "--smoke",
+           "--data", str(train), "--eval-data", str(held_out), "--out-dir", str(tmp_path / "out")]  # fmt: skip
     out = run(cmd, tmp_path, timeout=480)
     result = summary(out, "accelerate_lora_sft")
-    assert result["metric"] == "heldout_exact_match" and result["after"] > result["before"], result
+    loss0, loss1 = result["heldout_answer_loss"]
+    assert loss1 < loss0 - 1.0, result  # held-out answer loss, nats per answer token (measured 4.88 -> 3.10)
+    assert result["metric"] == "heldout_exact_match" and result["after"] >= result["before"], result
     assert "ZeRO stage 3 + qwZ" in out and "on 2 ranks" in out, out[-2000:]  # the --ds-config preset, two processes
-    saved = json.loads((tmp_path / "summary.json").read_text())
+    saved = json.loads((tmp_path / "out/summary.json").read_text())
     assert [step for step, _ in saved["history"]] == [0, 120] and saved["history"][-1][1] == result["after"], saved
-    assert (tmp_path / "accelerate_lora_sft.png").is_file() or not HAS_MATPLOTLIB
-
-    accelerate_recipe = recipe("accelerate_lora_sft.py", monkeypatch)
-    model, common = reloaded_lora(tmp_path / "adapter", monkeypatch)
-    held_out, tok = common.arithmetic_rows("test"), common.ByteTokenizer()
-    answers = accelerate_recipe.greedy(model, tok, [r["prompt"] for r in held_out], "cpu")
-    check_lora_reload(answers, saved["answers"], held_out, result["after"])
+    assert (tmp_path / "out/accelerate_lora_sft.png").is_file() or not HAS_MATPLOTLIB
+    assert 0 < saved["reload_max_diff"] <= 1.0, saved["reload_max_diff"]  # qwZ (zeropp)
+    chat_recipe = recipe("chat.py", monkeypatch)
+    check_reload_fails_when_altered(tmp_path / "out", "adapter", lambda f: chat_recipe.load(f, None, None), tmp_path)
+    chat(tmp_path / "out", ["User: Spell backwards: lamp\nAssistant: "], monkeypatch, capsys, "--raw")
 
 
 @pytest.mark.long
-def test_chatglm_ptuning(tmp_path, monkeypatch):
+def test_chatglm_ptuning(tmp_path, monkeypatch, capsys):
     # bf16 (the GPU default; ~8x slower than fp32 on a CPU without bf16 units, hence 12 steps) with the prefix
     # projection: the saved prefix is then what the MLP computes, and must still reload to the engine's outputs.
     cmd = [*TORCHRUN, str(EXAMPLES / "chatglm_ptuning.py"), "--smoke", "--precision", "bf16", "--prefix-projection",
-           "--steps", "12", "--out-dir", str(tmp_path)]  # fmt: skip
+           "--steps", "12", "--rouge-rows", "4", "--out-dir", str(tmp_path)]  # fmt: skip
     out = run(cmd, tmp_path, timeout=480)
     result = summary(out, "chatglm_ptuning")
     assert result["metric"] == "heldout_answer_loss" and result["after"] < result["before"], result
-    assert "ZeRO-3 bf16" in out, out[-2000:]
+    assert "ZeRO-3 bf16" in out and "held-out ROUGE-L (F1 x 100, greedy, 4 rows)" in out, out[-2000:]
+    assert 0 <= min(result["heldout_rouge_l"]) <= max(result["heldout_rouge_l"]) <= 100, result
     assert out.count("before: ") == 3 and out.count("after:  ") == 3  # greedy generations before and after
     saved = json.loads((tmp_path / "summary.json").read_text())
     (_, loss0, acc0), *_, (last, loss1, acc1) = saved["evals"]
@@ -195,25 +212,17 @@ def test_chatglm_ptuning(tmp_path, monkeypatch):
     prefix = load_file(tmp_path / "prefix/adapter_model.safetensors")
     assert [tuple(v.shape) for v in prefix.values()] == [(32, 4 * 2 * 64)], {k: v.shape for k, v in prefix.items()}
 
-    # The saved prefix on a fresh base stored as in training (bf16 parameters; buffers such as rotary inv_freq stay
-    # fp32, as the engine keeps them) must give the engine's held-out loss and greedy generations.
+    # The recipe's reload check (on a CPU, bf16 too: the same operations, bit for bit), passing, and failing on a
+    # changed byte.
+    assert saved["reload_max_diff"] == 0.0 and "on a fresh base, logits within" in out, saved["reload_max_diff"]
     import torch
-    from peft import PeftModel
 
     glm = recipe("chatglm_ptuning.py", monkeypatch)
-    model = PeftModel.from_pretrained(glm.build_base(None), tmp_path / "prefix").eval()
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    tok, cpu = glm.load_tokenizer(None), torch.device("cpu")
-    rows = [json.loads(line) for line in glm.DATA.read_text().splitlines()]
-    held_out = [r for r in rows if r["split"] == "test"]
-    with torch.no_grad():  # the engine's evaluation: each of the 2 ranks takes its share, the totals are summed
-        totals = sum(torch.stack(glm.answer_loss(model, *glm.collate(tok, held_out[r::2], cpu))) for r in range(2))
-    loss, acc = (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
-    assert abs(loss - result["after"]) <= 0.01 * result["after"] and abs(acc - acc1) <= 0.01, (loss, acc, saved)
-    again = [glm.generate(model, tok, r["content"], cpu) for r in held_out[:3]]
-    assert again == saved["after_text"], (again, saved["after_text"])
+    reload = partial(glm.reload_prefix, model_path=None, precision="bf16", frozen_format="none")
+    check_reload_fails_when_altered(tmp_path, "prefix", reload, tmp_path)
     # The attention mask covers the prefix and hides the padding: a row alone gives its logits in a padded batch.
+    model, tok, cpu = reload(tmp_path / "prefix"), glm.load_tokenizer(None), torch.device("cpu")
+    held_out = importlib.import_module("_recipe_data").load_rows(None, None, 0.1, ("adgen",), glm.DATA)[1]
     ids, _, mask = glm.collate(tok, held_out[:4], cpu)
     short = int(mask.sum(1).argmin())
     length = int(mask[short].sum())
@@ -221,10 +230,11 @@ def test_chatglm_ptuning(tmp_path, monkeypatch):
         padded = model(input_ids=ids, attention_mask=mask).logits[short, :length].float()
         alone = model(input_ids=ids[short : short + 1, :length]).logits[0].float()
     assert (alone - padded).abs().max().item() < 0.05, (alone - padded).abs().max().item()
+    chat(tmp_path, ["type#coat*color#red*style#casual*fit#loose"], monkeypatch, capsys)
 
 
 @pytest.mark.long
-def test_rlhf(tmp_path):
+def test_rlhf(tmp_path, monkeypatch, capsys):
     out = run([*TORCHRUN, str(EXAMPLES / "rlhf.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path, timeout=480)
     result = summary(out, "rlhf")
     assert result["metric"] == "reward_model_score" and result["after"] > result["before"], result
@@ -234,10 +244,24 @@ def test_rlhf(tmp_path):
     assert (steps["dpo"]["before"], steps["dpo"]["after"]) == (result["before"], result["after"]), steps["dpo"]
     (_, acc0, margin0, _), (_, acc1, margin1, _) = steps["dpo"]["evals"]
     assert acc0 == 0.5 and margin0 == 0.0 and acc1 > acc0 and margin1 > margin0, steps["dpo"]["evals"]
+    # Every step's held-out signal is in the JSON line too.
+    assert result["reward_heldout_pairwise_accuracy"] == [steps["reward"]["before"], steps["reward"]["after"]], result
+    assert result["dpo_heldout_preference_accuracy"] == [acc0, acc1], result
     assert len(steps["dpo"]["examples"]) == 3, steps["dpo"]["examples"]  # SFT and DPO samples side by side
-    for name in ("sft_adapter", "reward_model", "dpo_adapter"):
-        assert (tmp_path / name).is_dir(), name
     assert (tmp_path / "rlhf.png").is_file() or not HAS_MATPLOTLIB
+    # Each step reloaded what it saved onto a fresh base stored the same way: fp32 with the engine's operations,
+    # so the engine's logits bit for bit; each check fails once one byte of the weights is changed.
+    diffs = {name: s["reload_max_diff"] for name, s in steps.items()}
+    assert diffs == {"sft": 0.0, "reward": 0.0, "dpo": 0.0}, diffs
+    from transformers import AutoModelForSequenceClassification
+
+    chat_recipe = recipe("chat.py", monkeypatch)
+    for name in ("sft_adapter", "dpo_adapter"):
+        check_reload_fails_when_altered(tmp_path, name, lambda f: chat_recipe.load(f, None, None), tmp_path)
+    reward = AutoModelForSequenceClassification.from_pretrained
+    check_reload_fails_when_altered(tmp_path, "reward_model", reward, tmp_path)
+    answers = chat(tmp_path, ["What color is the grass?"], monkeypatch, capsys, "--temperature", "0.7")
+    assert answers[0].startswith(" I"), answers  # " It is ..." or " I do not know ...": the shape SFT taught
 
 
 # --model PATH: every recipe checks the path, config.json's architecture and (building it on the meta device) what
@@ -334,22 +358,28 @@ def tiny_checkpoint(path: Path) -> int:
 
 @pytest.mark.long
 def test_lora_sft_local_model(tmp_path, monkeypatch):
-    # The cheapest real --model run: 4 steps on 2 ranks with a random tiny Llama (no learning signal expected).
+    # The cheapest real --model run: 4 steps on 2 ranks with a random tiny Llama (no learning signal expected), and
+    # no held-out evaluation (--evals 0 once divided by zero).
     model_path = str(tmp_path / "model")
     params = tiny_checkpoint(tmp_path / "model")
     cmd = [sys.executable, str(EXAMPLES / "lora_sft.py"), "--model", model_path, "--steps", "4",
-           "--evals", "1", "--micro-batch", "4", "--out-dir", str(tmp_path / "out")]  # fmt: skip
+           "--evals", "0", "--micro-batch", "4", "--out-dir", str(tmp_path / "out")]  # fmt: skip
     out = run(cmd, tmp_path, timeout=480)
     result = summary(out, "lora_sft")
+    assert result["before"] is None and result["after"] is None and "held-out" not in out, result
     assert f"int4 frozen base ({model_path}, {params:,} parameters)" in out, out[-2000:]
     adapter = json.loads((tmp_path / "out/adapter/adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == model_path, adapter
-    # The adapter reloads onto the checkpoint (stored INT4) and answers as the engine did, in the checkpoint's
-    # tokenizer (no pad token: the recipe pads with EOS).
+    # The recipe reloaded the adapter onto the checkpoint (stored INT4, read row by row) and compared the logits
+    # with the engine's, in the checkpoint's tokenizer (no pad token: the recipe pads with EOS).
     saved = json.loads((tmp_path / "out/summary.json").read_text())
-    lightning_recipe = recipe("lora_sft.py", monkeypatch)
-    model, common = reloaded_lora(tmp_path / "out/adapter", monkeypatch, model_path)
-    held_out, tok = common.arithmetic_rows("test"), common.load_tokenizer(model_path)
-    prompts = [r["prompt"] for r in held_out]
-    answers = [a for i in range(0, len(prompts), 25) for a in lightning_recipe.greedy(model, tok, prompts[i : i + 25])]
-    check_lora_reload(answers, saved["answers"], held_out, result["after"])
+    assert 0 < saved["reload_max_diff"] <= 1.0, saved["reload_max_diff"]  # qwZ (zeropp)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    common = importlib.import_module("_recipe_common")
+    adapter = tmp_path / "out/adapter"
+    assert common.reload_mismatch(common.reload_lora(adapter, model_path, "int4"), adapter)[1] is None
+
+
+def test_chat_needs_a_recipe_output(tmp_path, monkeypatch, capsys):
+    err = fails_with_one_line("chat.py", ["--path", str(tmp_path), "--prompt", "hi"], monkeypatch, capsys)
+    assert err.startswith(f"chat.py: error: --path {tmp_path}: no saved adapter or prefix in it (looked for "), err
