@@ -78,8 +78,9 @@ def test_trl_yamls_map_to_deepspeed_configs() -> None:
         config, ignored = deepspeed_config_block(block)
         assert config["zero_optimization"]["stage"] == stage
         assert config["train_micro_batch_size_per_gpu"] == "auto" and config["gradient_clipping"] == "auto"
-        assert config["gradient_accumulation_steps"] == (1 if stage == 1 else "auto")
-        assert set(ignored) == {"deepspeed_multinode_launcher", "zero3_init_flag"}
+        assert config["gradient_accumulation_steps"] == 1  # each of trl's three says 1
+        launcher = {"deepspeed_multinode_launcher"} & set(block)  # ZeRO-2's version has no launcher key
+        assert set(ignored) == {"zero3_init_flag"} | launcher
         assert all(len(reason) > 20 for reason in ignored.values())
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 

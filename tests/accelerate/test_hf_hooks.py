@@ -22,6 +22,10 @@ class _Trainer:
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         return {}
 
+    def create_optimizer(self) -> Any: ...
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any: ...
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         raise AssertionError("the engine's save must not fall back to the Trainer's own")
 
