@@ -164,6 +164,11 @@ def test_ds_config_beats_a_deepspeed_accelerate_config(tmp_path: Path, monkeypat
     script.write_text("import os\nraise SystemExit('the script ran with ' + os.environ['ACCELERATE_USE_DEEPSPEED'])\n")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    # The bootstrap runs the script as `python script.py` would: it sets sys.argv, sys.path[0] and __main__. Put them
+    # back after, or every later multiprocessing child in this process starts from that script's directory.
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(sys.modules, "__main__", sys.modules["__main__"])
     with pytest.raises(SystemExit, match="the script ran with false"):
         bootstrap_main(["--ds-config", "zero3", str(script)])
     assert ZeroPlugin.from_env().training_config.stage == 3
