@@ -1,7 +1,7 @@
 """LoRA SFT on an INT4 frozen base with ZeRO++, as an Accelerate script: examples/lora_sft.py's recipe, same data.
 
     accelerate launch --config_file examples/with_accelerate/cpu_2proc.yaml -m ds_plugin.accelerate \
-        --ds-config zeropp examples/accelerate_lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] \
+        --ds-config zeropp examples/accelerate_lora_sft.py [--steps 600] [--frozen-format int4|nf4|int8] \
         [--model PATH] [--smoke] [--data train.jsonl [--eval-data test.jsonl | --eval-fraction 0.1]]
     torchrun --standalone --nproc-per-node 2 examples/accelerate_lora_sft.py      # the same, ZeRO++ by default
 
@@ -104,9 +104,9 @@ def evaluate(accelerator: Accelerator, model, tok, held_out: list[dict]) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per process per step")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--frozen-format", default="int4", choices=["int8", "int4", "nf4"])
@@ -143,7 +143,7 @@ def main() -> None:
         ds_plugin.quantize_frozen_(model, args.frozen_format)
     train = SftExamples(train_rows, args.steps * args.micro_batch * accelerator.num_processes, tok)
     train_dl = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
     # Accelerate steps a prepared scheduler once per process per optimizer step: count in those units.
     total, warm = args.steps * accelerator.num_processes, max(1, args.steps // 15) * accelerator.num_processes
     curve = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa: E731
@@ -178,12 +178,13 @@ def main() -> None:
     # Collective: every process calls it; the main one gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(accelerator.engine, args.out_dir / "adapter")
     # The reload check (as examples/lora_sft.py's): the adapter as saved, on a fresh base stored the same way, must
-    # give the engine's own logits on held-out rows: within 1e-5 in fp32, a wider tolerance under qwZ or bf16.
+    # give the engine's own logits on held-out rows, computed with qwZ off (its INT8 rounding of the gathered weights
+    # is not in the saved file): within 1e-5 in fp32 on a CPU, wider in bf16.
     ids, mask, _ = sft_batch(tok, held_out[:4], accelerator.device)
-    with torch.no_grad():
+    with torch.no_grad(), accelerator.engine.exact_weight_gathers():
         logits = model.eval()(input_ids=ids, attention_mask=mask).logits
     if accelerator.is_main_process:
-        tolerance, why = lora_tolerance(accelerator.engine.plan, precision != "no", torch.cuda.is_available())
+        tolerance, why = lora_tolerance(precision != "no", torch.cuda.is_available())
         save_engine_logits(path, ids, mask, logits, tolerance, why)
     reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)
     if accelerator.is_main_process:

@@ -1,6 +1,6 @@
 """LoRA SFT on an INT4 frozen base with ZeRO++, through the Lightning Trainer: a tiny Llama learns to add.
 
-    python examples/lora_sft.py [--steps 400] [--frozen-format int4|nf4|int8] [--model PATH] [--smoke]
+    python examples/lora_sft.py [--steps 600] [--frozen-format int4|nf4|int8] [--model PATH] [--smoke]
         [--data train.jsonl [--eval-data test.jsonl | --eval-fraction 0.1]]
 
 The data is examples/data/arithmetic.jsonl: single-digit sums under five wordings ("What is 3 plus 4? ",
@@ -142,7 +142,7 @@ class LoRASFT(pl.LightningModule):
         self.eval_losses.append((self.global_step, (self._loss[0] / self._loss[1]).item()))
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.1)
         # Short warm-up, then cosine to zero: the last evaluation sees a settled adapter.
         warm = max(1, self.steps // 15)
         curve = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, self.steps) / self.steps))  # noqa: E731
@@ -152,9 +152,9 @@ class LoRASFT(pl.LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per rank per step")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--frozen-format", default="int4", choices=["int8", "int4", "nf4"])
@@ -214,11 +214,12 @@ def main() -> None:
     # Collective: every rank calls it, rank 0 gets the whole adapter and writes the files.
     path = ds_plugin.save_adapter(engine, args.out_dir / "adapter")
     # The reload check: the adapter as saved, on a fresh base stored the same way (INT4), must give the engine's own
-    # logits on held-out rows: within 1e-5 in fp32 on a CPU, a wider tolerance under qwZ or bf16 (`lora_tolerance`).
+    # logits on held-out rows, computed with qwZ off (its INT8 rounding of the gathered weights is a communication
+    # approximation the saved file does not hold): within 1e-5 in fp32 on a CPU, wider in bf16 (`lora_tolerance`).
     ids, mask, _ = sft_batch(tok, held_out[:4], trainer.strategy.root_device)
-    with torch.no_grad():
+    with torch.no_grad(), engine.exact_weight_gathers():
         logits = engine.eval()(input_ids=ids, attention_mask=mask).logits
-    tolerance, why = lora_tolerance(engine.plan, args.precision != "32-true", gpu)
+    tolerance, why = lora_tolerance(args.precision != "32-true", gpu)
     if trainer.is_global_zero:
         save_engine_logits(path, ids, mask, logits, tolerance, why)
     reload_diff = reload_check(lambda: reload_lora(path, args.model, args.frozen_format), path)

@@ -49,6 +49,7 @@ from ds_plugin.zero.optimizer import (
 )
 from ds_plugin.zero.plan import ZeroPlan
 from ds_plugin.zero.stage1 import replicated_state
+from ds_plugin.zero.zeropp import exact_weight_gathers
 
 __all__ = ["ZeroEngine"]
 
@@ -222,6 +223,11 @@ class ZeroEngine:
     def gathered_for_generation(self) -> contextlib.AbstractContextManager[nn.Module]:
         """A block in which the ZeRO-3 model is gathered once and stays gathered (see `gathered_for_generation`)."""
         return gathered_for_generation(self.module)
+
+    def exact_weight_gathers(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """A block in which qwZ is off and every forward computes with the weights exactly as the shards hold them
+        (see `ds_plugin.zero.zeropp.exact_weight_gathers`): for comparing the engine with a saved copy."""
+        return exact_weight_gathers(self.module)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The module's `generate(...)` (Hugging Face's, with its KV cache) with the model gathered once for the

@@ -28,9 +28,11 @@ The quantize / dequantize steps come from `ds_plugin.quant.comm.dispatch`: the b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,7 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "ZeroPPStats",
+    "exact_weight_gathers",
     "install_zeropp",
     "node_groups",
     "zeropp_stats",
@@ -339,7 +342,15 @@ def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGro
     return intra, inter
 
 
+class _PlainAllGather(_PlainAlloc):
+    """FSDP2's own all-gather, bit for bit: what `exact_weight_gathers` puts in qwZ's place for a while."""
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False):
+        return _all_gather(output_tensor, input_tensor, group, async_op)
+
+
 _STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WEIGHT_GATHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDP unit -> its qwZ all-gather
 
 
 def zeropp_stats(model: torch.nn.Module) -> ZeroPPStats | None:
@@ -380,10 +391,33 @@ def install_zeropp(
         if not isinstance(module, FSDPModule):
             continue
         if weights_block is not None:
-            module.set_custom_all_gather(QuantizedAllGather(weights_block, stats, intra_group=intra, inter_group=inter))
+            gather = QuantizedAllGather(weights_block, stats, intra_group=intra, inter_group=inter)
+            module.set_custom_all_gather(gather)
+            _WEIGHT_GATHERS[module] = gather
         if gradients_block is not None:
             module.set_custom_reduce_scatter(
                 QuantizedReduceScatter(gradients_block, intra_group=intra, inter_group=inter, stats=stats)
             )
     _STATS[model] = stats
     return stats
+
+
+@contextlib.contextmanager
+def exact_weight_gathers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """A block in which qwZ is off: every weight all-gather of `model` is FSDP2's plain one, so a forward computes
+    with the weights exactly as the shards hold them (qwZ rounds each gathered shard to INT8 blocks). For a check
+    against a copy of the weights saved or loaded elsewhere, which nothing rounds. Call it on every rank; a model
+    without qwZ is unchanged. On exit qwZ is back.
+
+    Args:
+        model: a model `install_zeropp` handled, or one holding it (any other: the block changes nothing).
+    """
+    units = [(m, _WEIGHT_GATHERS[m]) for m in model.modules() if m in _WEIGHT_GATHERS]
+    plain = _PlainAllGather()
+    for module, _ in units:
+        module.set_custom_all_gather(plain)
+    try:
+        yield model
+    finally:
+        for module, gather in units:
+            module.set_custom_all_gather(gather)

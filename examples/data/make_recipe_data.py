@@ -2,31 +2,54 @@
 
     python examples/data/make_recipe_data.py        # rewrites the .jsonl files beside this script
 
-Everything is templated from the tables below with a fixed seed, so the files are reproducible and the recipes
-never download anything. Each file holds one JSON object per line with a "split" field; the held-out rows are
-new combinations of things the training rows show (a sum under another wording, a product with new attributes,
-a question about a known thing asked another way), so a held-out score measures what was learned, not recall.
+Everything is templated from the tables below with fixed seeds, so the files are reproducible and the recipes
+never download anything. Each file holds one JSON object per line with a "split" field. The held-out ("test") rows
+ask for something the training rows never show, so a held-out score measures what was learned, not recall:
+
+- arithmetic.jsonl: sums of two digits. The held-out rows are ten unordered operand pairs (twenty ordered ones),
+  whose sum training never shows in either order, each asked in eight wordings training never shows either: three
+  new combinations of an opening, the operation and a closing, five with words no training row has.
+- adgen_tiny.jsonl: attributes -> one line of ad copy that reuses them, phrased by the kind of garment. The held-out
+  rows are the products of one colour per kind never seen with that kind in training (each colour and each kind
+  is seen with others), so the copy must be put together from the attributes, not recalled.
+- rlhf_sft.jsonl, rlhf_pairs.jsonl: a quarter of the (question, thing) pairs are held out.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
 
 HERE = Path(__file__).parent
 
-# -- arithmetic.jsonl (LoRA SFT): single-digit sums under five wordings; exact match on held-out wordings --------
-SUM_TEMPLATES = ["What is {a} plus {b}? ", "{a} + {b} = ", "Add {a} and {b}: ", "Sum of {a} and {b} is ",
-                 "{b} added to {a} makes "]  # fmt: skip
+# -- arithmetic.jsonl (LoRA SFT): sums of two digits, each asked as an opening + the operation + a closing ---------
+OPENINGS = ["What is ", "Compute ", "Calculate ", "Tell me ", "Work out ", "Find ", "Q: what is ", "Quick: ", "",
+            "Hi! What is ", "Now find ", "Please compute ", "I need ", "Solve ", "Hey, what's ", "Give me ",
+            "Can you tell me ", "Next: "]  # fmt: skip
+OPERATIONS = ["{a} plus {b}", "{a} + {b}", "{a}+{b}", "the sum of {a} and {b}", "{b} added to {a}",
+              "{a} and {b} added together", "{a} increased by {b}", "{a} plus {b} in total",
+              "the total of {a} and {b}"]  # fmt: skip
+CLOSINGS = ["? ", " = ", ": ", "? Answer: ", ". Result: ", " is ", "?\nA: ", ", please: ", " equals ", "? It is "]
+# Held-out wordings with words no training row has ("How much", "add up", "makes", "you get", "with ... gives").
+NEW_WORDINGS = ["How much is {a} plus {b}? ", "Please add up {a} and {b}: ", "Find {a} + {b}, it makes ",
+                "Add {a} to {b} and you get ", "{a} with {b} added gives "]  # fmt: skip
+HELD_PAIRS, WORDINGS_PER_PAIR = 10, 25  # unordered pairs held out; wordings drawn for each training pair
 
 # -- adgen_tiny.jsonl (P-Tuning v2): ChatGLM's ADGEN task in miniature, attributes -> one line of ad copy ------------
-KINDS = ["shirt", "dress", "coat", "skirt", "jacket", "sweater"]
-COLORS = ["red", "blue", "black", "white", "green", "grey"]
+# Within an attribute no two values share a first letter (nor "shirt" a first letter with another kind), so a value
+# is told by its first byte: the byte-level model copies one letter from the attributes and spells the rest.
+KINDS = ["coat", "dress", "hat", "jacket", "shirt", "tunic"]
+COLORS = ["red", "blue", "green", "white", "yellow", "pink"]
 STYLES = ["casual", "elegant", "sporty", "vintage"]
 FITS = ["loose", "slim", "relaxed"]
-AD_TEMPLATES = ["A {style} {color} {kind} with a {fit} fit.", "This {color} {kind} is {style} and {fit}.",
-                "{Style} and {fit}: the {color} {kind}."]  # fmt: skip
+# The phrasing is fixed by the kind (two kinds each), so the copy is one sentence a model can learn, not a coin toss.
+AD_TEMPLATES = {
+    "shirt": "A {style} {color} {kind} with a {fit} fit.", "jacket": "A {style} {color} {kind} with a {fit} fit.",
+    "dress": "This {color} {kind} is {style} and {fit}.", "tunic": "This {color} {kind} is {style} and {fit}.",
+    "coat": "{Style} and {fit}: the {color} {kind}.", "hat": "{Style} and {fit}: the {color} {kind}.",
+}  # fmt: skip
 
 # -- rlhf_sft.jsonl / rlhf_pairs.jsonl (RLHF): questions about the colour of things, answers good and bad ----------
 THINGS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black", "lemon": "yellow", "tomato": "red",
@@ -53,23 +76,32 @@ def write(name: str, rows: list[dict]) -> None:
 
 
 def arithmetic(rng: random.Random) -> list[dict]:
-    rows = [{"prompt": t.format(a=a, b=b), "response": str(a + b)} for t in SUM_TEMPLATES for a in range(10)
-            for b in range(10)]  # fmt: skip
+    pairs = [(a, b) for a in range(10) for b in range(a + 1, 10)]
+    held = {p for a, b in rng.sample(pairs, HELD_PAIRS) for p in ((a, b), (b, a))}
+    wordings = [o + op + c for o in OPENINGS for op in OPERATIONS for c in CLOSINGS]
+    rng.shuffle(wordings)
+    held_wordings, train_wordings = wordings[:3] + NEW_WORDINGS, wordings[3:]
+    rows = []
+    for a, b in ((a, b) for a in range(10) for b in range(10) if (a, b) not in held):
+        rows += [{"prompt": w.format(a=a, b=b), "response": str(a + b), "split": "train"}
+                 for w in rng.sample(train_wordings, WORDINGS_PER_PAIR)]  # fmt: skip
+    test = [{"prompt": w.format(a=a, b=b), "response": str(a + b), "split": "test"} for w in held_wordings
+            for a, b in sorted(held)]  # fmt: skip
     rng.shuffle(rows)
-    held = len(rows) // 5  # one row in five held out: its sum is almost always seen under another wording
-    return [{**r, "split": "test" if i < held else "train"} for i, r in enumerate(rows)]
+    rng.shuffle(test)
+    return test + rows
 
 
 def adgen(rng: random.Random) -> list[dict]:
+    held = dict(zip(KINDS, rng.sample(COLORS, len(KINDS)), strict=True))  # each kind's colour held out, a different one
     rows = []
-    for kind, color, style in ((k, c, s) for k in KINDS for c in COLORS for s in STYLES):
-        fit = rng.choice(FITS)
+    for kind, color, style, fit in itertools.product(KINDS, COLORS, STYLES, FITS):
         content = f"type#{kind}*color#{color}*style#{style}*fit#{fit}"
         words = {"kind": kind, "color": color, "style": style, "fit": fit, "Style": style.capitalize()}
-        rows.append({"content": content, "summary": rng.choice(AD_TEMPLATES).format(**words)})
+        split = "test" if held[kind] == color else "train"
+        rows.append({"content": content, "summary": AD_TEMPLATES[kind].format(**words), "split": split})
     rng.shuffle(rows)
-    held = len(rows) // 6
-    return [{**r, "split": "test" if i < held else "train"} for i, r in enumerate(rows)]
+    return sorted(rows, key=lambda r: r["split"] == "train")  # held-out rows first, as in the other files
 
 
 def answer(kind: str, thing: str, rng: random.Random) -> str:
@@ -97,11 +129,22 @@ def rlhf(rng: random.Random) -> tuple[list[dict], list[dict]]:
     return sft, pairs
 
 
-def main() -> None:
+def rlhf_rng() -> random.Random:
+    """The generator `rlhf` has drawn from since these files were first written: seed 0, after the draws an earlier
+    arithmetic (a shuffle of 500 rows) and ADGEN table (two choices of three for each of 144 rows, a shuffle) took
+    from it, replayed so that rlhf_sft.jsonl and rlhf_pairs.jsonl stay byte for byte as they were."""
     rng = random.Random(0)
-    write("arithmetic.jsonl", arithmetic(rng))
-    write("adgen_tiny.jsonl", adgen(rng))
-    sft, pairs = rlhf(rng)
+    rng.shuffle([None] * 500)
+    for _ in range(144):
+        rng.choice(range(3)), rng.choice(range(3))
+    rng.shuffle([None] * 144)
+    return rng
+
+
+def main() -> None:
+    write("arithmetic.jsonl", arithmetic(random.Random(1)))
+    write("adgen_tiny.jsonl", adgen(random.Random(2)))
+    sft, pairs = rlhf(rlhf_rng())
     write("rlhf_sft.jsonl", sft)
     write("rlhf_pairs.jsonl", pairs)
 
