@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -104,10 +105,48 @@ def test_formats_and_splits(data_module, tmp_path):
     assert d.load_rows(str(tmp_path / "many.jsonl"), None, 0.2, d.SFT, Path("unused"))[1] == held  # a fixed shuffle
     # Without --data: the shipped file, split by its "split" field.
     train, held = d.load_rows(None, None, 0.1, d.SFT, d.DATA / "arithmetic.jsonl")
-    assert (len(train), len(held)) == (400, 100) and held[0] == {"prompt": "9 added to 1 makes ", "response": "10"}
+    assert (len(train), len(held)) == (2000, 160) and held[0] == {"prompt": "Next: 0 plus 9 in total?\nA: ",
+                                                                   "response": "9"}  # fmt: skip
     alpaca = d.normalize(ROWS["alpaca"])
     assert alpaca == {"prompt": "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n",
                       "response": "5"}  # fmt: skip
+
+
+def operands_and_wording(row: dict) -> tuple[frozenset, str]:
+    """An arithmetic row's operands (unordered: addition commutes) and its wording with the digits taken out."""
+    digits = re.findall(r"\d", row["prompt"])
+    assert len(digits) == 2 and int(row["response"]) == sum(map(int, digits)), row
+    return frozenset(digits), re.sub(r"\d", "#", row["prompt"])
+
+
+def test_shipped_held_out_rows_are_unseen(data_module):
+    # The held-out rows ask for what training never shows, so their scores measure generalisation, not recall.
+    d = data_module
+    train, held = d.load_rows(None, None, 0.1, d.SFT, d.DATA / "arithmetic.jsonl")
+    seen_pairs, seen_wordings = map(set, zip(*map(operands_and_wording, train), strict=True))
+    held_pairs, held_wordings = map(set, zip(*map(operands_and_wording, held), strict=True))
+    assert len(held_pairs) == 10 and not held_pairs & seen_pairs, held_pairs & seen_pairs  # sums never trained on
+    assert len(held_wordings) == 8 and not held_wordings & seen_wordings, held_wordings & seen_wordings
+    assert len(held) == len(held_pairs) * 2 * len(held_wordings)  # every held-out pair, both orders, every wording
+    assert {digit for pair in seen_pairs for digit in pair} == set("0123456789")
+
+    # ADGEN: each held-out product pairs a kind with a colour training never shows with that kind; the kind, the
+    # colour and every other attribute value are each seen in training, with other values.
+    train, held = d.load_rows(None, None, 0.1, ("adgen",), d.DATA / "adgen_tiny.jsonl")
+
+    def attributes(row: dict) -> dict[str, str]:
+        content = row["prompt"].removesuffix("\nAd: ")
+        return dict(item.split("#") for item in content.split("*"))
+
+    seen = [attributes(r) for r in train]
+    unseen = [attributes(r) for r in held]
+    seen_products = {(a["type"], a["color"]) for a in seen}
+    held_products = {(a["type"], a["color"]) for a in unseen}
+    assert len(held_products) == 6 and not held_products & seen_products, held_products & seen_products
+    for field in ("type", "color", "style", "fit"):
+        assert {a[field] for a in unseen} <= {a[field] for a in seen}, field
+    # The ad copy reuses every attribute value of its row.
+    assert all(a[f] in r["response"].lower() for r, a in zip(held, unseen, strict=True) for f in a), held[:2]
 
 
 def test_encode_puts_the_loss_on_answers_only(data_module, tmp_path, monkeypatch):
