@@ -189,7 +189,7 @@ def plot_sft(losses: list[float], history: list[tuple[int, float]], path: Path, 
     left.plot(losses, lw=0.8)
     left.set(xlabel="step", ylabel=loss_label, yscale="log", title=title)
     right.plot(*zip(*history, strict=True), marker="o")
-    right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out sums")
+    right.set(xlabel="step", ylabel="held-out exact match", ylim=(-0.02, 1.02), title="held-out pairs and wordings")
     save_figure(fig, path)
 
 

@@ -406,18 +406,29 @@ def install_zeropp(
 def exact_weight_gathers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """A block in which qwZ is off: every weight all-gather of `model` is FSDP2's plain one, so a forward computes
     with the weights exactly as the shards hold them (qwZ rounds each gathered shard to INT8 blocks). For a check
-    against a copy of the weights saved or loaded elsewhere, which nothing rounds. Call it on every rank; a model
-    without qwZ is unchanged. On exit qwZ is back.
+    against a copy of the weights saved or loaded elsewhere, which nothing rounds. Every unit is resharded on entry
+    (a unit kept gathered since the last forward, the root or an hpZ secondary shard, holds rounded weights) and on
+    exit (the next forward gathers through qwZ again). Call it on every rank; a model without qwZ is unchanged.
 
     Args:
         model: a model `install_zeropp` handled, or one holding it (any other: the block changes nothing).
     """
-    units = [(m, _WEIGHT_GATHERS[m]) for m in model.modules() if m in _WEIGHT_GATHERS]
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    swapped = [(m, _WEIGHT_GATHERS[m]) for m in units if m in _WEIGHT_GATHERS]
+    if not swapped:
+        yield model
+        return
     plain = _PlainAllGather()
-    for module, _ in units:
+    for module in units:
+        module.reshard()
+    for module, _ in swapped:
         module.set_custom_all_gather(plain)
     try:
         yield model
     finally:
-        for module, gather in units:
+        for module in units:
+            module.reshard()
+        for module, gather in swapped:
             module.set_custom_all_gather(gather)
