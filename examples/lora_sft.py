@@ -4,11 +4,11 @@
         [--data train.jsonl [--eval-data test.jsonl | --eval-fraction 0.1]]
 
 The data is examples/data/arithmetic.jsonl: sums of two digits asked in many wordings ("What is 3 plus 4? ",
-"Solve the sum of 3 and 4: ", ...). The held-out rows are ten operand pairs whose sum training never shows (in
-either order), each in eight wordings training never shows either, so held-out exact match (greedy answer == the
-reference) and answer loss measure addition learned, not a table recalled. `--data PATH` trains on
-your own JSON Lines instead: {"prompt", "response"}, Alpaca's {"instruction", "input", "output"} or chat
-{"messages": [...]} rows (examples/_recipe_data.py). The base model is built from a config
+"Solve the sum of 3 and 4: ", ...). The held-out rows are twenty operand pairs training never asks (it asks their
+commuted twins: "4 plus 3" trained, "3 plus 4" held out), each in eight wordings training never shows either, so
+held-out exact match (greedy answer == the reference) and answer loss measure more than rows recalled.
+`--data PATH` trains on your own JSON Lines instead: {"prompt", "response"}, Alpaca's {"instruction", "input",
+"output"} or chat {"messages": [...]} rows (examples/_recipe_data.py). The base model is built from a config
 (nothing is downloaded) and stays frozen, its Linear weights stored as INT4 codes by the strategy
 (`frozen_format`) and sharded by ZeRO-3; LoRA adapters on every projection are the only trained weights. Text is
 read as bytes, so no tokenizer is needed; `--model PATH` loads a local checkpoint (a causal LM with Llama's

@@ -105,18 +105,17 @@ def test_formats_and_splits(data_module, tmp_path):
     assert d.load_rows(str(tmp_path / "many.jsonl"), None, 0.2, d.SFT, Path("unused"))[1] == held  # a fixed shuffle
     # Without --data: the shipped file, split by its "split" field.
     train, held = d.load_rows(None, None, 0.1, d.SFT, d.DATA / "arithmetic.jsonl")
-    assert (len(train), len(held)) == (2000, 160) and held[0] == {"prompt": "Next: 0 plus 9 in total?\nA: ",
-                                                                   "response": "9"}  # fmt: skip
+    assert (len(train), len(held)) == (2000, 160) and held[0] == {"prompt": "How much is 7 plus 9? ", "response": "16"}
     alpaca = d.normalize(ROWS["alpaca"])
     assert alpaca == {"prompt": "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n",
                       "response": "5"}  # fmt: skip
 
 
-def operands_and_wording(row: dict) -> tuple[frozenset, str]:
-    """An arithmetic row's operands (unordered: addition commutes) and its wording with the digits taken out."""
+def operands_and_wording(row: dict) -> tuple[tuple[str, str], str]:
+    """An arithmetic row's operands, in order, and its wording with the digits taken out."""
     digits = re.findall(r"\d", row["prompt"])
     assert len(digits) == 2 and int(row["response"]) == sum(map(int, digits)), row
-    return frozenset(digits), re.sub(r"\d", "#", row["prompt"])
+    return tuple(digits), re.sub(r"\d", "#", row["prompt"])
 
 
 def test_shipped_held_out_rows_are_unseen(data_module):
@@ -125,10 +124,10 @@ def test_shipped_held_out_rows_are_unseen(data_module):
     train, held = d.load_rows(None, None, 0.1, d.SFT, d.DATA / "arithmetic.jsonl")
     seen_pairs, seen_wordings = map(set, zip(*map(operands_and_wording, train), strict=True))
     held_pairs, held_wordings = map(set, zip(*map(operands_and_wording, held), strict=True))
-    assert len(held_pairs) == 10 and not held_pairs & seen_pairs, held_pairs & seen_pairs  # sums never trained on
+    assert len(held_pairs) == 20 and not held_pairs & seen_pairs, held_pairs & seen_pairs  # never asked in training
+    assert {pair[::-1] for pair in held_pairs} <= seen_pairs  # their commuted twins are (as the README says)
     assert len(held_wordings) == 8 and not held_wordings & seen_wordings, held_wordings & seen_wordings
-    assert len(held) == len(held_pairs) * 2 * len(held_wordings)  # every held-out pair, both orders, every wording
-    assert {digit for pair in seen_pairs for digit in pair} == set("0123456789")
+    assert len(held) == len(held_pairs) * len(held_wordings)  # every held-out pair in every held-out wording
 
     # ADGEN: each held-out product pairs a kind with a colour training never shows with that kind; the kind, the
     # colour and every other attribute value are each seen in training, with other values.
