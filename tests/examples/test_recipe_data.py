@@ -5,8 +5,8 @@ starts. All in this process: each recipe's `__main__` runs with `runpy` and stop
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -111,19 +111,29 @@ def test_formats_and_splits(data_module, tmp_path):
                       "response": "5"}  # fmt: skip
 
 
-def operands_and_wording(row: dict) -> tuple[tuple[str, str], str]:
-    """An arithmetic row's operands, in order, and its wording with the digits taken out."""
-    digits = re.findall(r"\d", row["prompt"])
-    assert len(digits) == 2 and int(row["response"]) == sum(map(int, digits)), row
-    return tuple(digits), re.sub(r"\d", "#", row["prompt"])
+def arithmetic_questions() -> dict[str, tuple[tuple[int, int], str]]:
+    """Every question examples/data/make_recipe_data.py can write -> its operands (a, b) and its wording: the
+    operands in the order the sum is asked ("{b} added to {a}" writes b first), which the text alone does not tell."""
+    spec = importlib.util.spec_from_file_location("make_recipe_data", EXAMPLES / "data/make_recipe_data.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    wordings = [o + op + c for o in gen.OPENINGS for op in gen.OPERATIONS for c in gen.CLOSINGS] + gen.NEW_WORDINGS
+    questions = {}
+    for w in wordings:
+        for a, b in itertools.product(range(10), repeat=2):
+            text = w.format(a=a, b=b)
+            assert questions.setdefault(text, ((a, b), w)) == ((a, b), w), text  # no text asks two things
+    return questions
 
 
 def test_shipped_held_out_rows_are_unseen(data_module):
     # The held-out rows ask for what training never shows, so their scores measure generalisation, not recall.
     d = data_module
     train, held = d.load_rows(None, None, 0.1, d.SFT, d.DATA / "arithmetic.jsonl")
-    seen_pairs, seen_wordings = map(set, zip(*map(operands_and_wording, train), strict=True))
-    held_pairs, held_wordings = map(set, zip(*map(operands_and_wording, held), strict=True))
+    questions = arithmetic_questions()
+    assert all(sum(questions[r["prompt"]][0]) == int(r["response"]) for r in train + held)
+    seen_pairs, seen_wordings = map(set, zip(*(questions[r["prompt"]] for r in train), strict=True))
+    held_pairs, held_wordings = map(set, zip(*(questions[r["prompt"]] for r in held), strict=True))
     assert len(held_pairs) == 20 and not held_pairs & seen_pairs, held_pairs & seen_pairs  # never asked in training
     assert {pair[::-1] for pair in held_pairs} <= seen_pairs  # their commuted twins are (as the README says)
     assert len(held_wordings) == 8 and not held_wordings & seen_wordings, held_wordings & seen_wordings
