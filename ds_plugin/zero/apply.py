@@ -198,8 +198,14 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     # last in forward and first in backward, stays gathered between the two (freeing it there would only add an
     # all-gather) and is freed after its backward.
     for module, after_forward in _separate_ends(model, root):
-        if module is not whole:
-            fully_shard(module, **{**kwargs, "reshard_after_forward": after_forward})
+        if module is whole:
+            continue
+        fully_shard(module, **{**kwargs, "reshard_after_forward": after_forward})
+        if isinstance(module, nn.Embedding) and not any(p.requires_grad for p in module.parameters()):
+            # A frozen input embedding has nothing to compute in backward (its input, token ids, takes no gradient),
+            # but FSDP2's implicit backward prefetch would still gather it when the first block's backward starts,
+            # at the size of the whole table twice over (500 MiB at a 7B Llama shape): the step's peak there.
+            module.set_unshard_in_backward(False)
     # The root (the final norm; the embedding and head too when tied) stays gathered from forward to backward,
     # which needs it first, as FSDP2 does by itself when the setting is left unset: that saves one all-gather per
     # step of what is often the largest parameter (GPT-2's tied embedding: 9% of the step in `bench peers`). With
