@@ -215,6 +215,20 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     # tests/zero/test_zeropp_convergence.py.
     ignored = set(whole.parameters()) if whole is not None else None
     fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root, "ignored_params": ignored})
+    if root is not False and mesh.device_type == "cpu":
+        _no_backward_prefetch(model)
+
+
+def _no_backward_prefetch(model: nn.Module) -> None:
+    # FSDP2 gathers the next unit's weights when a unit's backward starts (its implicit backward prefetch), so that
+    # on a GPU the all-gather runs on its own stream under the current unit's compute. On a CPU there are no streams
+    # and the all-gather is synchronous (FSDP2 issues it with async_op=False): the prefetch overlaps nothing, it only
+    # gathers a unit one step early and holds both at once (one 7B Llama layer's INT4 codes: ~110 MiB, plus the
+    # all-gather buffer). An explicit prefetch list turns the implicit one off; each unit names itself, which is
+    # already gathered when its backward starts, so nothing is prefetched.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_modules_to_backward_prefetch([module])
 
 
 def _whole_frozen_head(model: nn.Module, plan: ZeroPlan) -> nn.Module | None:
