@@ -444,7 +444,8 @@ def step_ppo(args) -> dict:
 def plot(results: dict, path: Path) -> None:
     if (plt := pyplot()) is None:
         return
-    titles = {"sft": "1. SFT (LoRA, INT4 base)", "reward": "2. reward model", "dpo": "3. DPO (INT8 reference)"}
+    titles = {"sft": "1. SFT (LoRA, INT4 base)", "reward": "2. reward model", "ppo": "3. PPO (actor loss)",
+              "dpo": "3. DPO (INT8 reference)"}  # fmt: skip
     fig, axes = plt.subplots(1, len(results), figsize=(4.7 * len(results), 3.8), squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items(), strict=True):
         ax.plot(r["curve"], lw=0.8)
@@ -456,6 +457,11 @@ def plot(results: dict, path: Path) -> None:
             twin.plot(steps, score, "o-", color="C1", label="reward-model score of samples (before, after)")
             twin.plot(steps, acc, "s--", color="C2", label="held-out preference accuracy (before, after)")
             twin.legend(loc="center left", fontsize=8)
+        if name == "ppo":
+            twin = ax.twinx()
+            twin.plot([i["score"] for i in r["iterations"]], color="C1", lw=0.8, label="reward-model score of rollouts")
+            twin.plot([i["kl"] for i in r["iterations"]], color="C2", lw=0.8, label="KL to the reference (nats)")
+            twin.legend(loc="upper left", fontsize=8)
     save_figure(fig, path)
 
 
@@ -496,7 +502,9 @@ def load_data(args) -> None:
                                ascii_only=not args.model, flags=(flag, "--eval-data"))  # fmt: skip
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (`check_args`, `check_model`) and its data read (`load_data`): every problem is
+    one line and exit code 2 here, before any process group starts."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", default="all", choices=["all", "sft", "reward", "ppo", "dpo"],
                         help="all: sft, reward, ppo (DeepSpeed-Chat's three steps); dpo in place of ppo")  # fmt: skip
@@ -531,12 +539,17 @@ def main() -> None:
     parser.add_argument("--eval-fraction", type=fraction, default=0.1, help="held out when --eval-data is absent")
     parser.add_argument("--sft-data", help="SFT rows (--step all or sft): {prompt, response}, Alpaca's or chat's")
     parser.add_argument("--pref-data", help="preference rows (--step all, reward or dpo): {prompt, chosen, rejected}")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     check_args(args)  # a bad value, or a step whose inputs are not in --out-dir: one line, before anything loads
     check_model(args.model, reward_model=True)  # a wrong --model: one line, before anything loads
     load_data(args)  # a bad data file: one line, before any process group starts
     if args.smoke:
         args.sft_steps, args.rm_steps, args.dpo_steps, args.ppo_steps, args.samples = 40, 30, 20, 8, 2
+    return args
+
+
+def main() -> None:
+    args = arguments()
     start = time.perf_counter()
     # Two processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
