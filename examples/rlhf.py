@@ -412,10 +412,11 @@ def step_ppo(args) -> dict:
         return *mean_over_ranks(r["scores"].mean().item(), kl.mean().item()), texts
 
     before = evaluate(seed=3)
-    gen, history, log = torch.Generator().manual_seed(0), [], []
+    gen, history, log = torch.Generator().manual_seed(args.seed), [], []
     for step in tqdm(range(args.ppo_steps), desc="3/3 PPO", disable=rank != 0):
         picks = torch.randint(len(prompts), (args.ppo_batch * world,), generator=gen)[rank::world].tolist()
-        r = rollout(actor, reward_model, critic, [prompts[i] for i in picks], args, seed=step * world + rank)
+        seed = (args.seed * args.ppo_steps + step) * world + rank
+        r = rollout(actor, reward_model, critic, [prompts[i] for i in picks], args, seed)
         for _ in range(args.ppo_epochs):
             losses = ppo_update(actor, critic, r, args)
             if ema is not None:
@@ -431,12 +432,15 @@ def step_ppo(args) -> dict:
     result = {"metric": "reward_model_score", "before": before[0], "after": after[0], "curve": history,
               "kl": [before[1], after[1]], "iterations": log,
               "examples": list(zip(questions[:3], before[2], after[2], strict=True))}  # fmt: skip
-    if ema is not None:  # the EMA actor: its weights swapped in, scored, saved, swapped out again
+    if ema is not None:  # the EMA actor (DeepSpeed-Chat's actor_ema): its weights swapped in, scored, saved
         trained = [p.detach().clone() for p in actor.trainable_parameters()]
-        ema_update_(actor.trainable_parameters(), ema, 0.0)
-        result["ema_score_kl"] = list(evaluate(seed=3)[:2])
-        ds_plugin.save_adapter(actor, args.out_dir / "ppo_adapter_ema")
-        ema_update_(actor.trainable_parameters(), trained, 0.0)
+        with torch.no_grad():
+            for p, e in zip(actor.trainable_parameters(), ema, strict=True):
+                p.copy_(e)
+            result["ema_score_kl"] = list(evaluate(seed=3)[:2])
+            ds_plugin.save_adapter(actor, args.out_dir / "ppo_adapter_ema")
+            for p, t in zip(actor.trainable_parameters(), trained, strict=True):
+                p.copy_(t)
     result["reload_max_diff"] = check_reload(actor, folder, reload, "pref")
     return result
 
@@ -530,10 +534,11 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ppo.add_argument("--greedy", action="store_true", help="greedy rollouts (deterministic; no exploration)")
     ppo.add_argument("--enable-ema", action="store_true", help="also keep (and save, score) an EMA of the actor")
     ppo.add_argument("--ema-beta", type=float, default=0.992)
+    ppo.add_argument("--seed", type=int, default=0, help="of the prompts drawn and the answers sampled in training")
     ppo.add_argument("--zero-stage", type=int, default=3, help="ZeRO stage of the PPO engines: 2 or 3")
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: tiny random Llamas)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/rlhf"))
-    parser.add_argument("--smoke", action="store_true", help="a short run: 40 SFT, 30 reward and 20 DPO steps")
+    parser.add_argument("--smoke", action="store_true", help="a short run: 40 SFT, 30 reward, 8 PPO, 20 DPO steps")
     parser.add_argument("--data", help="training rows of the step --step names (JSON Lines; default: shipped data)")
     parser.add_argument("--eval-data", help="held-out rows of that step (default: --eval-fraction of --data)")
     parser.add_argument("--eval-fraction", type=fraction, default=0.1, help="held out when --eval-data is absent")
