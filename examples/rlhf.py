@@ -1,22 +1,28 @@
-"""DeepSpeed-Chat's three RLHF steps on ds_plugin, on CPU with 2 processes: SFT, a reward model, then DPO.
+"""DeepSpeed-Chat's three RLHF steps on ds_plugin, on CPU with 2 processes: SFT, a reward model, then PPO (or DPO).
 
-    torchrun --standalone --nproc-per-node 2 examples/rlhf.py [--step all|sft|reward|dpo] [--model PATH] [--smoke]
-        [--step sft|reward|dpo --data train.jsonl [--eval-data test.jsonl]] [--sft-data A --pref-data B]
+    torchrun --standalone --nproc-per-node 2 examples/rlhf.py [--step all|sft|reward|ppo|dpo] [--model PATH] [--smoke]
+        [--step sft|reward|ppo|dpo --data train.jsonl [--eval-data test.jsonl]] [--sft-data A --pref-data B]
 
 1. SFT: LoRA on a tiny Llama (built from a config, nothing is downloaded) whose frozen base is stored INT4 and
    sharded by ZeRO-3, on mixed-quality demonstrations (examples/data/rlhf_sft.jsonl, good one time in four).
 2. Reward model: a small Llama with a scalar head, pairwise loss -log sigmoid(r_chosen - r_rejected) on
    examples/data/rlhf_pairs.jsonl; signal: held-out pairwise accuracy.
-3. DPO (Direct Preference Optimization; no PPO rollouts, critic or value head): a fresh LoRA on the SFT model against
-   a frozen reference copy, each stored INT8 and sharded by its own engine. Signals: held-out preference accuracy and
-   margin, and the reward model's mean score of answers sampled for held-out questions.
+3. PPO (`--step all` ends with it): the actor is the SFT model with a fresh LoRA on its frozen INT4 base, the
+   reference the same engine with the adapter switched off, the critic the reward model with LoRA on its frozen INT8
+   base and its head trained as the value head, the reward model frozen and stored INT8. Rollouts are sampled with
+   `engine.generate` (the ZeRO-3 shards gathered once per call); DeepSpeed-Chat's per-token KL penalty, GAE and
+   clipped policy and value losses (examples/_ppo.py). Signals: the reward model's mean score of answers sampled for
+   held-out questions, and their KL to the reference.
+   DPO (`--step dpo`, Direct Preference Optimization, in place of PPO): a fresh LoRA on the SFT model against a frozen
+   reference copy, each stored INT8 and sharded by its own engine. Signals: held-out preference accuracy and margin,
+   and the same reward-model score.
 Text is read as bytes; `--model PATH` uses a local causal-LM checkpoint and its tokenizer for every model instead,
 streamed (`ds_plugin.load_pretrained`): each rank reads only the rows it keeps.
 `--step` runs one step alone, reading earlier steps' output from --out-dir. Your own JSON Lines: `--data` (and
 `--eval-data`, else `--eval-fraction` of it held out) feeds the step `--step` names: SFT rows ({"prompt",
-"response"}, Alpaca's or chat's) for sft, preference rows ({"prompt", "chosen", "rejected"}) for reward and dpo;
-`--step all` takes `--sft-data` and `--pref-data`. Each step reloads what it saved onto a fresh base stored the same
-way and checks its logits on held-out rows against the engine's (`check_reload`).
+"response"}, Alpaca's or chat's) for sft, preference rows ({"prompt", "chosen", "rejected"}) for reward and dpo, and
+for ppo (their prompts); `--step all` takes `--sft-data` and `--pref-data`. Each step reloads what it saved onto a
+fresh base stored the same way and checks its logits on held-out rows against the engine's (`check_reload`).
 """
 
 from __future__ import annotations
@@ -543,7 +549,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-data", help="held-out rows of that step (default: --eval-fraction of --data)")
     parser.add_argument("--eval-fraction", type=fraction, default=0.1, help="held out when --eval-data is absent")
     parser.add_argument("--sft-data", help="SFT rows (--step all or sft): {prompt, response}, Alpaca's or chat's")
-    parser.add_argument("--pref-data", help="preference rows (--step all, reward or dpo): {prompt, chosen, rejected}")
+    parser.add_argument("--pref-data", help="preference rows (all, reward, ppo, dpo): {prompt, chosen, rejected}")
     args = parser.parse_args(argv)
     check_args(args)  # a bad value, or a step whose inputs are not in --out-dir: one line, before anything loads
     check_model(args.model, reward_model=True)  # a wrong --model: one line, before anything loads
