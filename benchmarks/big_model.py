@@ -7,8 +7,8 @@
    `$BIG_MODEL_DIR` (default `benchmarks/results/.cache/`): tensor by tensor, each drawn, written and dropped, so
    the model is never built in memory (13.5 GB of disk at full size).
 2. Per format, N gloo ranks (one thread each) run `ds_plugin.load_pretrained` at ZeRO-3 with that frozen format and
-   peft LoRA r=16 on every projection (bf16 compute over fp32 LoRA masters; `host_memory_reuse` off, so freed host
-   memory goes back to the kernel), 2 AdamW steps at sequence length 64 (one sequence per rank), then
+   peft LoRA r=16 on every projection (bf16 compute over fp32 LoRA masters; fp32 by default on a CPU without bf16
+   units, `--dtype`; `host_memory_reuse` off, so freed host memory goes back to the kernel), 2 AdamW steps at sequence length 64 (one sequence per rank), then
    `save_adapter`; the saved adapter file is read back and must equal the engine's gathered LoRA weights, bit for bit.
 3. bitsandbytes + peft's own QLoRA on the same checkpoint in one process (`from_pretrained` with NF4
    `BitsAndBytesConfig`, N threads), where it runs on a CPU: its peak RSS and step time, or the one-line reason.
@@ -144,7 +144,8 @@ def _lora_config():
     return peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS))
 
 
-def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: int, out: str, device: str) -> dict:
+def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: int, out: str, device: str,
+               dtype: str = "bf16") -> dict:  # fmt: skip
     import warnings
 
     warnings.simplefilter("ignore")
@@ -164,14 +165,15 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
     # host_memory_reuse off: glibc then unmaps every freed block of 1 MiB and up (a dequantized weight, gathered codes;
     # runtime/host_memory.py), so the peak RSS measured is what is live, not the heap's high-water mark with its
     # fragments (at 4 layers of this shape 0.35 GB less per rank); steps fault their buffers in again, a little slower.
-    config = {"zero_optimization": {"stage": 3, "frozen_format": fmt}, "bf16": {"enabled": True},
+    config = {"zero_optimization": {"stage": 3, "frozen_format": fmt}, "bf16": {"enabled": dtype == "bf16"},
               "gradient_clipping": 1.0, "host_memory_reuse": False}  # fmt: skip
     import peft  # noqa: F401  (imported before the clock starts: load_s is the load, not the imports)
     from transformers import LlamaForCausalLM  # noqa: F401
 
     stats = LoadStats()
     start = time.perf_counter()
-    model = load_pretrained(path, config, peft_config=_lora_config(), dtype=torch.bfloat16, stats=stats)
+    load_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = load_pretrained(path, config, peft_config=_lora_config(), dtype=load_dtype, stats=stats)
     load_s = time.perf_counter() - start
     # The peak so far after each phase: which phase set the run's peak.
     peaks = {"load": _peak_rss_mb()}
@@ -299,7 +301,8 @@ def run(args: Any) -> dict:
     out_dir = Path(args.adapter_dir or cache / f"{tag}-adapters")
     runs = []
     for fmt in args.format:
-        kwargs = {"path": str(path), "fmt": fmt, "seq": args.seq, "steps": args.steps, "out": str(out_dir)}
+        kwargs = {"path": str(path), "fmt": fmt, "seq": args.seq, "steps": args.steps, "out": str(out_dir),
+                  "dtype": args.dtype}  # fmt: skip
         if args.device == "cuda":
             ranks = [_run_cuda(**kwargs)]
         else:
@@ -337,6 +340,7 @@ def run(args: Any) -> dict:
         "checkpoint": str(path),
         "checkpoint_written_s": round(written_s, 1),
         "seq": args.seq,
+        "dtype": args.dtype,
         "steps": args.steps,
         "host_memory_reuse": False,
         "runs": runs,
@@ -357,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=count(1, MAX_LOCAL_RANKS), default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one rank on NCCL")
     parser.add_argument("--seq", type=count(), default=64)
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="compute dtype (auto: bf16 on a GPU or a CPU with bf16 units, else fp32, which holds the unquantized "
+        "embedding, head and norms at twice the bytes)",
+    )
     parser.add_argument("--steps", type=count(2), default=2)
     parser.add_argument("--no-qlora", dest="qlora", action="store_false", help="skip bitsandbytes + peft QLoRA")
     parser.add_argument(
@@ -369,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     args.format = args.format or list(FORMATS)
+    if args.dtype == "auto":
+        from ds_plugin.runtime.cpu_bf16 import fast_compute_dtype
+
+        args.dtype, why = fast_compute_dtype(args.device)
+        print(f"big_model: computing in {args.dtype} ({why}; --dtype to choose)", file=sys.stderr)
     report = run(args)
     text = json.dumps(report, indent=2)
     if args.out:

@@ -363,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="ds-plugin bench peers", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
     parser.add_argument("--names", nargs="+", choices=NAMES, default=list(NAMES), help="configs to run")
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=DTYPES,
+        help="default: bf16 and fp32 where the CPU has bf16 units, else fp32 only (bf16 is emulated there)",
+    )
     parser.add_argument("--warmup", type=count(0), default=3, help="untimed steps per run")
     parser.add_argument("--steps", type=count(), default=12, help="timed steps per run")
     parser.add_argument("--repeats", type=count(), default=3, help="runs per config, in alternating order")
@@ -379,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         help="glibc malloc keeps freed memory in every run, whichever the framework (on; see README)",
     )
     args = parser.parse_args(argv)
+    if args.dtypes is None:
+        from ds_plugin.runtime.cpu_bf16 import fast_compute_dtype
+
+        picked, why = fast_compute_dtype("cpu")
+        args.dtypes = list(DTYPES) if picked == "bf16" else ["fp32"]
+        print(f"bench peers: timing {' and '.join(args.dtypes)} ({why}; --dtypes to choose)", file=sys.stderr)
     report = run(
         tuple(args.names),
         tuple(args.dtypes),

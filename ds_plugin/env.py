@@ -42,6 +42,27 @@ def _scaled_mm_probe(device: str, rowwise: bool):
     return run
 
 
+def _cpu_bf16_row() -> str:
+    from ds_plugin.runtime.cpu_bf16 import cpu_bf16_units
+
+    native, why = cpu_bf16_units()
+    return f"yes ({why})" if native else f"no ({why}: bf16 matmuls are emulated; train in fp32 on this CPU)"
+
+
+def _slowdown() -> str:
+    from ds_plugin.runtime.cpu_bf16 import bf16_matmul_slowdown
+
+    return f"{bf16_matmul_slowdown():.1f}x (256x512 @ 512x512, one thread; about 1x or less with bf16 units)"
+
+
+def _probe_value(fn) -> str:
+    """A measured value, or the one-line reason it could not be measured."""
+    try:
+        return fn()
+    except Exception as exc:  # a probe reports any failure as a reason, never raises
+        return f"not measured ({type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''})"
+
+
 def collect_env() -> dict[str, Any]:
     """Versions, devices and the capability matrix, as a JSON-ready dict."""
     import torch
@@ -69,6 +90,8 @@ def collect_env() -> dict[str, Any]:
         "nccl backend (GPU)": _probe(lambda: (dist.is_nccl_available() and cuda) or "needs CUDA and NCCL"),
         "FSDP2 fully_shard": _probe(lambda: importlib.import_module("torch.distributed.fsdp").fully_shard and True),
         "bf16 compute": _probe(lambda: (torch.ones(2, dtype=torch.bfloat16, device=device) * 2).sum() and True),
+        "bf16 units (CPU)": _cpu_bf16_row(),
+        "bf16/fp32 matmul time (CPU)": _probe_value(_slowdown),
         "fp8 tensorwise _scaled_mm": _probe(_scaled_mm_probe(device, rowwise=False)),
         "fp8 rowwise _scaled_mm": _probe(_scaled_mm_probe(device, rowwise=True)),
         "fp8 blockwise _scaled_mm": "yes" if cuda and cap >= (9, 0) else "no (needs sm90+; emulated)",

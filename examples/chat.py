@@ -5,8 +5,8 @@
     python examples/chat.py --path runs/chatglm_ptuning --model /path/to/glm          # prompts from stdin
 
 `--path` is a recipe's --out-dir (or one of the folders in it): lora_sft.py's and accelerate_lora_sft.py's
-adapter/, chatglm_ptuning.py's prefix/, rlhf.py's dpo_adapter/ (the final actor; sft_adapter/ when there is no
-DPO output). The base is the one the recipe trained on: its tiny model, built from the same config and seed (nothing
+adapter/, chatglm_ptuning.py's prefix/, rlhf.py's ppo_adapter/ (the final actor; then dpo_adapter/, then
+sft_adapter/). The base is the one the recipe trained on: its tiny model, built from the same config and seed (nothing
 is downloaded), or `--model PATH`, the checkpoint you trained with, read row by row and stored as in training (the
 frozen Linear weights quantized as they are read). Each prompt is laid out as the recipe's data was: in the
 tokenizer's chat template when it has one; otherwise as the recipe's shipped rows were written (RLHF's
@@ -29,7 +29,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # peft and transforme
 
 # The folders the recipes write, in the order --path looks for them, with the layout of their shipped prompts.
 SAVED = {
-    "dpo_adapter": "Human: {}\nAssistant:",  # rlhf.py
+    "ppo_adapter": "Human: {}\nAssistant:",  # rlhf.py
+    "dpo_adapter": "Human: {}\nAssistant:",
     "sft_adapter": "Human: {}\nAssistant:",
     "prefix": "{}\nAd: ",  # chatglm_ptuning.py
     "adapter": "{}",  # lora_sft.py, accelerate_lora_sft.py
@@ -55,7 +56,7 @@ def load(folder: Path, model_path: str | None, frozen_format: str | None) -> tor
         from chatglm_ptuning import reload_prefix
 
         return reload_prefix(folder, model_path, "fp32", frozen_format or "none")
-    if folder.name in ("sft_adapter", "dpo_adapter"):
+    if folder.name in ("sft_adapter", "ppo_adapter", "dpo_adapter"):
         import rlhf
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
@@ -63,12 +64,14 @@ def load(folder: Path, model_path: str | None, frozen_format: str | None) -> tor
         base = partial(rlhf.llama, AutoModelForCausalLM, 128, 4, None)
         if folder.name == "sft_adapter":
             return reload_lora(folder, model_path, frozen_format or "int4", base)
-        sft = folder.parent / "sft_adapter"  # DPO trained a fresh LoRA on the SFT model, merged, stored INT8
+        # PPO and DPO trained a fresh LoRA on the SFT model, merged, stored INT4 (PPO) or INT8 (DPO).
+        sft = folder.parent / "sft_adapter"
 
         def merged() -> torch.nn.Module:
             return PeftModel.from_pretrained(base(), sft).merge_and_unload()
 
-        return reload_lora(folder, model_path, frozen_format or "int8", merged, merge_adapter=sft)
+        stored = frozen_format or ("int4" if folder.name == "ppo_adapter" else "int8")
+        return reload_lora(folder, model_path, stored, merged, merge_adapter=sft)
     return reload_lora(folder, model_path, frozen_format or "int4")
 
 

@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------- names
 
 
+# A tensor kept whole on every rank is read in blocks of rows of at most this many bytes.
+_WHOLE_FILL_BYTES = 32 << 20
 _PEFT_PARTS = re.compile(r"\.(base_layer|original_module)(?=\.)|\.modules_to_save\.[^.]+(?=\.)")
 
 
@@ -351,7 +353,14 @@ class _Filler:
 
     def fill_whole(self, p: torch.Tensor, source: str | torch.Tensor) -> None:
         if not isinstance(p, QuantizedWeight):
-            p.detach().copy_(self.rows(source, 0, p.shape[0] if p.dim() else 1).reshape(p.shape))
+            # In blocks of rows: a whole tensor (a frozen output head kept whole at ZeRO-3: 250 MiB at a 7B shape)
+            # is then never held twice, as read and as stored.
+            rows = p.shape[0] if p.dim() else 1
+            target = p.detach().view(rows, -1)
+            step = max(1, _WHOLE_FILL_BYTES // max(1, target.shape[1] * target.element_size()))
+            for start in range(0, rows, step):
+                length = min(step, rows - start)
+                target[start : start + length].copy_(self.rows(source, start, length).reshape(length, -1))
             return
         # Each rank quantizes its share of the rows (zero rows pad the last) and the ranks gather the codes.
         world = self.mesh.size() if self.mesh is not None else 1

@@ -1,5 +1,6 @@
 """Runtime services around training that are not the ZeRO algorithm: dead-rank handling and the collective
-timeout (`faults.py`), the comms logger (`comms_logger.py`), and glibc host-memory reuse on CPU (`host_memory.py`)."""
+timeout (`faults.py`), the comms logger (`comms_logger.py`), glibc host-memory reuse on CPU (`host_memory.py`), and
+whether the CPU computes bf16 natively (`cpu_bf16.py`)."""
 
 from ds_plugin.runtime.comms_logger import CommsLogger, comms_logger_from_config, get_comms_logger
 from ds_plugin.runtime.faults import DEFAULT_TIMEOUT, RankFailureError, default_timeout, init_distributed

@@ -186,13 +186,26 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     for block in blocks:
         fully_shard(block, **kwargs)
     root = plan.reshard_after_forward
+    whole = _whole_frozen_head(model, plan)
+    if whole is not None:
+        # Not FSDP2's: it stays on the mesh's device, where the gathered weights compute.
+        for p in whole.parameters():
+            if not p.is_meta:
+                p.data = p.data.to(mesh_device(mesh))
     # Stage 3 with an untied input embedding and output head (Llama, Mistral; not GPT-2's tied one): each is its own
     # unit, so the root no longer holds both whole from forward to backward (524 MB of bf16 at a 7B model: two
     # 32000 x 4096 weights). The embedding frees its gathered weight after forward, as a block does; the head, used
     # last in forward and first in backward, stays gathered between the two (freeing it there would only add an
     # all-gather) and is freed after its backward.
     for module, after_forward in _separate_ends(model, root):
+        if module is whole:
+            continue
         fully_shard(module, **{**kwargs, "reshard_after_forward": after_forward})
+        if isinstance(module, nn.Embedding) and not any(p.requires_grad for p in module.parameters()):
+            # A frozen input embedding has nothing to compute in backward (its input, token ids, takes no gradient),
+            # but FSDP2's implicit backward prefetch would still gather it when the first block's backward starts,
+            # at the size of the whole table twice over (500 MiB at a 7B Llama shape): the step's peak there.
+            module.set_unshard_in_backward(False)
     # The root (the final norm; the embedding and head too when tied) stays gathered from forward to backward,
     # which needs it first, as FSDP2 does by itself when the setting is left unset: that saves one all-gather per
     # step of what is often the largest parameter (GPT-2's tied embedding: 9% of the step in `bench peers`). With
@@ -200,7 +213,49 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     # the root's weights as it sees the blocks' (under qwZ, secondary shards re-quantized, as in DeepSpeed). Keeping
     # the root gathered there moved fp16 ZeRO++ from 0.84% to 1.01% off ZeRO-3's loss in
     # tests/zero/test_zeropp_convergence.py.
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root})
+    ignored = set(whole.parameters()) if whole is not None else None
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root, "ignored_params": ignored})
+    if root is not False and mesh.device_type == "cpu":
+        _no_backward_prefetch(model)
+
+
+def _no_backward_prefetch(model: nn.Module) -> None:
+    # FSDP2 gathers the next unit's weights when a unit's backward starts (its implicit backward prefetch), so that
+    # on a GPU the all-gather runs on its own stream under the current unit's compute. On a CPU there are no streams
+    # and the all-gather is synchronous (FSDP2 issues it with async_op=False): the prefetch overlaps nothing, it only
+    # gathers a unit one step early and holds both at once (one 7B Llama layer's INT4 codes: ~110 MiB, plus the
+    # all-gather buffer). An explicit prefetch list turns the implicit one off; each unit names itself, which is
+    # already gathered when its backward starts, so nothing is prefetched.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_modules_to_backward_prefetch([module])
+
+
+def _whole_frozen_head(model: nn.Module, plan: ZeroPlan) -> nn.Module | None:
+    """The output head to keep whole on every rank instead of sharding it, or None.
+
+    Stage 3 gathers a sharded head for the end of forward and keeps it to the start of backward: at that moment the
+    rank holds the whole head twice (FSDP2's all-gather output and the unsharded weight it is copied into) on top of
+    its shard and of every activation saved for backward, so the head sets the step's peak: +500 MiB at a
+    Llama-2-7B shape (32000 x 4096 in bf16), the largest transient of a LoRA step there. A frozen head has no
+    gradient to reduce-scatter and no optimizer state, so it can stay whole on every rank like a buffer: that costs
+    (1 - 1/N) of its size for the whole run and removes twice its size from the peak. Only an untied head (a tied
+    one is the input embedding's weight, which the root shards), wholly frozen, not quantized, and not under CPU
+    offload (there the weights' home is the host, and the head would have to live on the device).
+    """
+    if plan.reshard_after_forward is False or plan.offload:
+        return None
+    ends = dict(_separate_ends(model, plan.reshard_after_forward))
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    if not isinstance(head, nn.Module) or head not in ends:
+        return None
+    params = list(head.parameters())
+    if not params or any(p.requires_grad or isinstance(p, QuantizedWeight) for p in params):
+        return None
+    return head
 
 
 def _separate_ends(model: nn.Module, reshard_after_forward: bool | int) -> list[tuple[nn.Module, bool | int]]:

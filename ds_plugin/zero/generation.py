@@ -60,6 +60,11 @@ def gathered_for_generation(model: nn.Module) -> Iterator[nn.Module]:
     saved: list[tuple[Any, Any]] = []
     states: list[tuple[Any, Any]] = []
     try:
+        if units:
+            # FSDP2 finds its root on the first forward through it; a peft model's `generate` calls the inner
+            # model's, which never enters the root, so before any forward its children would each claim to be root
+            # and the next forward through the real root fails. The outermost unit is the root: settle that now.
+            units[0]._get_fsdp_state()._lazy_init()
         for unit in units:
             state = unit._get_fsdp_state()
             if hasattr(state, "_auto_reshard_after_forward"):

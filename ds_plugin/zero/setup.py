@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ds_plugin.optimizer_config import SchedulerConfig, build_optimizer, build_scheduler
 from ds_plugin.presets import ConfigSource
 from ds_plugin.runtime.comms_logger import comms_logger_from_config
+from ds_plugin.runtime.cpu_bf16 import warn_slow_bf16
 from ds_plugin.zero.apply import apply_plan, has_fp8_layers, is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
 from ds_plugin.zero.init import materialize_
@@ -84,6 +85,7 @@ def setup_zero(
         ZeroSetupError: a model or optimizer the plan cannot be applied to (one line).
     """
     plan.check_world(mesh.size())
+    warn_slow_bf16(plan.device_type, plan.compute_dtype)
     from_config = isinstance(optimizer, str)
     if from_config:
         if optimizer != FROM_CONFIG or plan.optimizer is None:

@@ -236,32 +236,42 @@ def test_chatglm_ptuning(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.long
 def test_rlhf(tmp_path, monkeypatch, capsys):
+    # --step all: SFT, reward model, PPO (DeepSpeed-Chat's three steps); then DPO on the same SFT and reward model.
     out = run([*TORCHRUN, str(EXAMPLES / "rlhf.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path, timeout=480)
     result = summary(out, "rlhf")
     assert result["metric"] == "reward_model_score" and result["after"] > result["before"], result
     steps = json.loads((tmp_path / "summary.json").read_text())
+    assert list(steps) == ["sft", "reward", "ppo"], list(steps)
     assert steps["sft"]["after"] < steps["sft"]["before"], steps["sft"]
     assert steps["reward"]["after"] > steps["reward"]["before"], steps["reward"]
-    assert (steps["dpo"]["before"], steps["dpo"]["after"]) == (result["before"], result["after"]), steps["dpo"]
-    (_, acc0, margin0, _), (_, acc1, margin1, _) = steps["dpo"]["evals"]
-    assert acc0 == 0.5 and margin0 == 0.0 and acc1 > acc0 and margin1 > margin0, steps["dpo"]["evals"]
+    assert (steps["ppo"]["before"], steps["ppo"]["after"]) == (result["before"], result["after"]), steps["ppo"]
+    # Before PPO the actor is its reference (a fresh adapter on the SFT model): no KL; after, some.
+    assert result["ppo_kl_to_reference"] == steps["ppo"]["kl"] and steps["ppo"]["kl"][0] == 0.0 < steps["ppo"]["kl"][1]
+    assert len(steps["ppo"]["iterations"]) == 8 and len(steps["ppo"]["examples"]) == 3, steps["ppo"]
     # Every step's held-out signal is in the JSON line too.
     assert result["reward_heldout_pairwise_accuracy"] == [steps["reward"]["before"], steps["reward"]["after"]], result
-    assert result["dpo_heldout_preference_accuracy"] == [acc0, acc1], result
-    assert len(steps["dpo"]["examples"]) == 3, steps["dpo"]["examples"]  # SFT and DPO samples side by side
     assert (tmp_path / "rlhf.png").is_file() or not HAS_MATPLOTLIB
     # Each step reloaded what it saved onto a fresh base stored the same way: fp32 with the engine's operations,
     # so the engine's logits bit for bit; each check fails once one byte of the weights is changed.
     diffs = {name: s["reload_max_diff"] for name, s in steps.items()}
-    assert diffs == {"sft": 0.0, "reward": 0.0, "dpo": 0.0}, diffs
+    assert diffs == {"sft": 0.0, "reward": 0.0, "ppo": 0.0}, diffs
+
+    out = run([*TORCHRUN, str(EXAMPLES / "rlhf.py"), "--step", "dpo", "--smoke", "--out-dir", str(tmp_path)], tmp_path,
+              timeout=300)  # fmt: skip
+    result, dpo = summary(out, "rlhf"), json.loads((tmp_path / "summary.json").read_text())["dpo"]
+    assert result["metric"] == "reward_model_score" and result["after"] > result["before"], result
+    (_, acc0, margin0, _), (_, acc1, margin1, _) = dpo["evals"]
+    assert acc0 == 0.5 and margin0 == 0.0 and acc1 > acc0 and margin1 > margin0, dpo["evals"]
+    assert result["dpo_heldout_preference_accuracy"] == [acc0, acc1], result
+    assert len(dpo["examples"]) == 3 and dpo["reload_max_diff"] == 0.0, dpo
     from transformers import AutoModelForSequenceClassification
 
     chat_recipe = recipe("chat.py", monkeypatch)
-    for name in ("sft_adapter", "dpo_adapter"):
+    for name in ("sft_adapter", "ppo_adapter", "dpo_adapter"):
         check_reload_fails_when_altered(tmp_path, name, lambda f: chat_recipe.load(f, None, None), tmp_path)
     reward = AutoModelForSequenceClassification.from_pretrained
     check_reload_fails_when_altered(tmp_path, "reward_model", reward, tmp_path)
-    answers = chat(tmp_path, ["What color is the grass?"], monkeypatch, capsys, "--temperature", "0.7")
+    answers = chat(tmp_path, ["What color is the grass?"], monkeypatch, capsys, "--temperature", "0.7")  # PPO's
     assert answers[0].startswith(" I"), answers  # " It is ..." or " I do not know ...": the shape SFT taught
 
 

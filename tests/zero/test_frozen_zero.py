@@ -31,14 +31,18 @@ SEQ, PER_RANK = 16, 2
 STEPS = 4
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ZERO3_FORMATS = ("int4", "nf4", "fp6")
+# The NF4 run leaves the output head frozen, which ZeRO-3 then keeps whole on every rank; the others train a copy of
+# it (modules_to_save), which is sharded like every trainable weight.
+FROZEN_HEAD = ("nf4",)
 
 
-def _lora_llama() -> nn.Module:
+def _lora_llama(fmt: str = "int4") -> nn.Module:
     import peft
 
     model = llama(seed=0)
     warnings.simplefilter("ignore")
-    cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=QKVO, modules_to_save=["lm_head"])
+    save = None if fmt in FROZEN_HEAD else ["lm_head"]
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=QKVO, modules_to_save=save)
     return peft.get_peft_model(model, cfg)
 
 
@@ -64,7 +68,7 @@ def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None,
     from ds_plugin import initialize, save_adapter
     from ds_plugin.quant.frozen.quantize import quantized_weights
 
-    model = _lora_llama()
+    model = _lora_llama(fmt)
     cfg = {"zero_optimization": {"stage": stage, "frozen_format": fmt}, "gradient_clipping": 0.0}
     engine = initialize(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     quantized = quantized_weights(engine.module)
@@ -83,6 +87,8 @@ def _train_worker(rank: int, world: int, fmt: str, stage: int, ckpt: str | None,
             torch.equal(t, quantized[n].parts[k]) for n, parts in codes_before.items() for k, t in parts.items()
         ),
         "trainable": sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),
+        "head_sharded": {n: hasattr(p, "to_local") for n, p in engine.module.named_parameters() if "lm_head" in n},
+        "head": _full(engine.module.get_output_embeddings().weight),
         "params": {n: _full(p) for n, p in engine.module.named_parameters() if p.requires_grad},
     }
     if adapter:
@@ -116,7 +122,7 @@ def _single_process_model(fmt: str) -> nn.Module:
     from ds_plugin import quantize_frozen_
 
     quiet()
-    return quantize_frozen_(_lora_llama(), fmt)
+    return quantize_frozen_(_lora_llama(fmt), fmt)
 
 
 def _single_process(fmt: str, world: int) -> dict:
@@ -140,7 +146,7 @@ def _reloaded_logits(fmt: str, path: str) -> torch.Tensor:
 
     from ds_plugin import quantize_frozen_
 
-    model = peft.PeftModel.from_pretrained(_lora_llama().get_base_model(), path)
+    model = peft.PeftModel.from_pretrained(_lora_llama(fmt).get_base_model(), path)
     quantize_frozen_(model, fmt)
     with torch.no_grad():
         return model(input_ids=_probe()).logits
@@ -220,6 +226,12 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(spawned, world, f
     r0 = results[0]
     assert len(r0["quantized"]) == 14 and all(r["codes_unchanged"] for r in results)
     assert all("lora_" in n or "modules_to_save" in n for n in r0["trainable"])
+    # A frozen head stays whole on every rank (no all-gather at the step's peak); a trained one is sharded.
+    if fmt in FROZEN_HEAD:
+        assert r0["head_sharded"] == {"base_model.model.lm_head.weight": False}, r0["head_sharded"]
+        assert all(torch.equal(r["head"], results[0]["head"]) for r in results)
+    else:
+        assert r0["head_sharded"]["base_model.model.lm_head.modules_to_save.default.weight"], r0["head_sharded"]
     for n, p in r0["params"].items():
         assert not torch.equal(p, ref["before"][n].float()), n  # every adapter moved
         # Adam divides by sqrt(v): where a gradient is ~0, reduction-order noise moves a step by a fraction of lr.
@@ -237,7 +249,7 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(spawned, world, f
     ref_model = _single_process_model(fmt)
     for name, q in quantized_weights(ref_model).items():
         assert torch.equal(exported[name], q.dequantize()), name
-    # The adapter (modules_to_save's head included) saved whole: on a fresh base stored the same way it
+    # The adapter (modules_to_save's head included, where it is trained) saved whole: on a fresh base stored the same way it
     # reproduces what the trained ZeRO-3 model computes.
     torch.testing.assert_close(_reloaded_logits(fmt, adapter), r0["logits"], rtol=0, atol=1e-5)
 

@@ -91,7 +91,31 @@ def _workers(rank: int, world: int) -> dict:
     lora = peft.get_peft_model(llama(seed=0), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"]))
     cfg = {"zero_optimization": {"stage": 3, "frozen_format": "int4"}}
     results["int4_lora"] = _case(rank, lora, cfg)
+    results["first"] = _generate_first(rank)
     return results
+
+
+def _generate_first(rank: int) -> dict:
+    """A peft model generating before any forward has run through the sharded model (a PPO rollout's first
+    step): FSDP2 must still take the root for the root, so that the forwards and training after it work."""
+    import peft
+
+    from ds_plugin import initialize
+
+    lora = peft.get_peft_model(llama(seed=0), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine = initialize(lora, {"zero_optimization": {"stage": 3}}, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    prompts = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(11 + rank))
+    out = {"gathered": engine.eval().generate(prompts, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)}
+    out["plain"] = _greedy_by_forward(engine.module, prompts)
+    engine.train()
+    batch = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5 + rank))
+    out["losses"] = []
+    for _ in range(3):
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +148,10 @@ def test_training_continues_resharded_after_generation(ranks, case):
         assert out["gathers_after"] >= out["gathers"][1], "the units stayed gathered after the block"
         losses = out["losses"]
         assert losses[-1] < losses[0] - 0.05, losses  # the same batch, learned: the optimizer still steps
+
+
+def test_generation_before_any_forward(ranks):
+    for r in ranks:
+        out = r["first"]
+        assert torch.equal(out["gathered"], out["plain"])
+        assert out["losses"][-1] < out["losses"][0] - 0.05, out["losses"]

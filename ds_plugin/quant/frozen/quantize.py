@@ -61,14 +61,17 @@ def _tied_to_embedding(model: nn.Module) -> set[int]:
 
 
 def is_output_head(model: nn.Module, name: str, module: nn.Module) -> bool:
-    """Whether a Linear is the model's output head (kept in high precision by default).
+    """Whether a Linear is the model's output head (kept in high precision by default): a causal LM's ``lm_head``
+    (or whatever ``get_output_embeddings`` gives), or ``score``, transformers' head of a decoder's
+    sequence-classification model (a reward model: one row per label, too few to shard over ranks anyway;
+    transformers' bitsandbytes integration keeps it unquantized too). Inside peft's wrappers as well.
 
     Args:
         model: the whole model.
         name: the Linear's qualified name in ``model``.
         module: the Linear.
     """
-    if "lm_head" in name.split("."):
+    if {"lm_head", "score"} & set(name.split(".")):
         return True
     get_out = getattr(model, "get_output_embeddings", None)
     if callable(get_out):

@@ -187,6 +187,22 @@ def test_default_keeps_a_head_tied_to_the_embedding():
     assert isinstance(other.lm_head.weight, QuantizedWeight)
 
 
+def test_default_keeps_a_reward_models_score_head():
+    # A reward model (transformers' ...ForSequenceClassification on a decoder): its `score` head is the output
+    # head, kept in full precision, frozen (the reward model) or kept frozen under peft's modules_to_save (a critic).
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=1)  # fmt: skip
+    torch.manual_seed(0)
+    reward = transformers.LlamaForSequenceClassification(cfg).requires_grad_(False)
+    quantize_frozen_(reward, "int8")
+    assert len(quantized_weights(reward)) == 14 and not isinstance(reward.score.weight, QuantizedWeight)
+    critic = peft.get_peft_model(transformers.LlamaForSequenceClassification(cfg),
+                                 peft.LoraConfig(r=4, target_modules=QKVO, modules_to_save=["score"]))  # fmt: skip
+    quantize_frozen_(critic, "int8")
+    names = set(quantized_weights(critic))
+    assert len(names) == 14 and not any("score" in n for n in names), sorted(names)
+
+
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
