@@ -8,10 +8,12 @@
    the model is never built in memory (13.5 GB of disk at full size).
 2. Per format, N gloo ranks (one thread each) run `ds_plugin.load_pretrained` at ZeRO-3 with that frozen format and
    peft LoRA r=16 on every projection (bf16 compute over fp32 LoRA masters; fp32 by default on a CPU without bf16
-   units, `--dtype`; `host_memory_reuse` off, so freed host memory goes back to the kernel), 2 AdamW steps at sequence length 64 (one sequence per rank), then
-   `save_adapter`; the saved adapter file is read back and must equal the engine's gathered LoRA weights, bit for bit.
+   units, `--dtype`; activation checkpointing per decoder layer unless `--gradient-checkpointing off`;
+   `host_memory_reuse` off, so freed host memory goes back to the kernel), 2 AdamW steps at sequence length 64
+   (one sequence per rank), then `save_adapter`; the saved adapter file is read back and must equal the engine's gathered LoRA weights, bit for bit.
 3. bitsandbytes + peft's own QLoRA on the same checkpoint in one process (`from_pretrained` with NF4
-   `BitsAndBytesConfig`, N threads), where it runs on a CPU: its peak RSS and step time, or the one-line reason.
+   `BitsAndBytesConfig`, N threads, activation checkpointing as ours), where it runs on a CPU: its peak RSS and
+   step time, or the one-line reason.
 
 JSON per format: `params`, `world_size`, `format`, `checkpoint_bytes`, `load_s` (the load, quantization included,
 slowest rank), `quantize_s` (of it, the quantizer's time, slowest rank), `first_step_s`, `step_s` (the second
@@ -145,7 +147,7 @@ def _lora_config():
 
 
 def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: int, out: str, device: str,
-               dtype: str = "bf16") -> dict:  # fmt: skip
+               dtype: str = "bf16", checkpointing: bool = True) -> dict:  # fmt: skip
     import warnings
 
     warnings.simplefilter("ignore")
@@ -174,6 +176,8 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
     start = time.perf_counter()
     load_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = load_pretrained(path, config, peft_config=_lora_config(), dtype=load_dtype, stats=stats)
+    if checkpointing:
+        _checkpoint_activations(model)
     load_s = time.perf_counter() - start
     # The peak so far after each phase: which phase set the run's peak.
     peaks = {"load": _peak_rss_mb()}
@@ -251,7 +255,14 @@ def _run_cuda(**kwargs: Any) -> dict:
     return value
 
 
-def _qlora_rank(rank: int, world: int, *, path: str, seq: int, steps: int, threads: int) -> dict:
+def _checkpoint_activations(model: Any) -> None:
+    # transformers' activation checkpointing per decoder layer, non-reentrant (the inputs need no gradient), as
+    # QLoRA recipes run (peft's prepare_model_for_kbit_training turns it on by default).
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _qlora_rank(rank: int, world: int, *, path: str, seq: int, steps: int, threads: int,
+                checkpointing: bool = True) -> dict:  # fmt: skip
     """bitsandbytes + peft QLoRA in one process: NF4 double-quantized base from from_pretrained, LoRA r=16."""
     import warnings
 
@@ -267,6 +278,8 @@ def _qlora_rank(rank: int, world: int, *, path: str, seq: int, steps: int, threa
         base = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16,
                                                     device_map="cpu")  # fmt: skip
         model = peft.get_peft_model(base, _lora_config())
+        if checkpointing:
+            _checkpoint_activations(model)
         load_s = time.perf_counter() - start
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         vocab = base.config.vocab_size
@@ -302,7 +315,7 @@ def run(args: Any) -> dict:
     runs = []
     for fmt in args.format:
         kwargs = {"path": str(path), "fmt": fmt, "seq": args.seq, "steps": args.steps, "out": str(out_dir),
-                  "dtype": args.dtype}  # fmt: skip
+                  "dtype": args.dtype, "checkpointing": args.gradient_checkpointing == "on"}  # fmt: skip
         if args.device == "cuda":
             ranks = [_run_cuda(**kwargs)]
         else:
@@ -329,7 +342,8 @@ def run(args: Any) -> dict:
     qlora = None
     if args.qlora:
         qlora = run_ranks(_qlora_rank, 1, timeout=args.timeout, start_method="spawn", path=str(path), seq=args.seq,
-                          steps=args.steps, threads=args.world_size)[0]  # fmt: skip
+                          steps=args.steps, threads=args.world_size,
+                          checkpointing=args.gradient_checkpointing == "on")[0]  # fmt: skip
     return {
         "benchmark": "big_model",
         "date": datetime.date.today().isoformat(),
@@ -341,6 +355,7 @@ def run(args: Any) -> dict:
         "checkpoint_written_s": round(written_s, 1),
         "seq": args.seq,
         "dtype": args.dtype,
+        "gradient_checkpointing": args.gradient_checkpointing == "on",
         "steps": args.steps,
         "host_memory_reuse": False,
         "runs": runs,
@@ -361,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=count(1, MAX_LOCAL_RANKS), default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one rank on NCCL")
     parser.add_argument("--seq", type=count(), default=64)
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="activation checkpointing per decoder layer, here and in the QLoRA run (on, as QLoRA recipes train)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("auto", "bf16", "fp32"),

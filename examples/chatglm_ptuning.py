@@ -39,6 +39,7 @@ from peft import PeftModel, PrefixTuningConfig, get_peft_model
 from tqdm import tqdm
 
 import ds_plugin
+from ds_plugin.runtime.cpu_bf16 import fast_compute_dtype
 
 DATA = DATA_DIR / "adgen_tiny.jsonl"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -193,11 +194,11 @@ def main() -> None:
     parser.add_argument("--pre-seq-len", type=int, default=128, help="prefix length (ChatGLM's PRE_SEQ_LEN)")
     parser.add_argument("--prefix-projection", action="store_true", help="produce the prefix with a 2-layer MLP")
     parser.add_argument("--stage", type=int, default=3, choices=[2, 3])
-    # bf16 as ChatGLM trains; a CPU without bf16 matrix units (no AVX512-BF16/AMX) runs it ~8x slower than fp32.
-    native_bf16 = torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # bf16 as ChatGLM trains, where it is fast; a CPU without bf16 units (no AVX512-BF16/AMX) emulates it, tens of
+    # times slower than fp32.
     parser.add_argument(
         "--precision",
-        default="bf16" if native_bf16 else "fp32",
+        default=None,
         choices=["bf16", "fp32"],
         help="compute dtype (default bf16 on GPUs and CPUs with bf16 units, else fp32)",
     )
@@ -215,6 +216,10 @@ def main() -> None:
     train, held_out = load_rows(args.data, args.eval_data, args.eval_fraction, ("adgen", *SFT), DATA,
                                 ascii_only=not args.model)  # fmt: skip
     args.steps = args.steps or (60 if args.smoke else 600)
+    if args.precision is None:
+        args.precision, why = fast_compute_dtype("cuda" if torch.cuda.is_available() else "cpu")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"compute dtype {args.precision} ({why}; --precision to choose)", flush=True)
     tok = load_tokenizer(args.model)  # bytes by default; a tokenizer without a pad token pads with EOS
     start = time.perf_counter()
 
