@@ -10,7 +10,8 @@
    peft LoRA r=16 on every projection (bf16 compute over fp32 LoRA masters; fp32 by default on a CPU without bf16
    units, `--dtype`; activation checkpointing per decoder layer unless `--gradient-checkpointing off`;
    `host_memory_reuse` off, so freed host memory goes back to the kernel), 2 AdamW steps at sequence length 64
-   (one sequence per rank), then `save_adapter`; the saved adapter file is read back and must equal the engine's gathered LoRA weights, bit for bit.
+   (one sequence per rank), then `save_adapter`; the saved adapter file is read back and must equal the engine's
+   gathered LoRA weights, bit for bit.
 3. bitsandbytes + peft's own QLoRA on the same checkpoint in one process (`from_pretrained` with NF4
    `BitsAndBytesConfig`, N threads, activation checkpointing as ours), where it runs on a CPU: its peak RSS and
    step time, or the one-line reason.
