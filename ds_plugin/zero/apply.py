@@ -236,8 +236,8 @@ def _whole_frozen_head(model: nn.Module, plan: ZeroPlan) -> nn.Module | None:
 
     Stage 3 gathers a sharded head for the end of forward and keeps it to the start of backward: at that moment the
     rank holds the whole head twice (FSDP2's all-gather output and the unsharded weight it is copied into) on top of
-    its shard and of every activation saved for backward, so the head sets the step's peak: +500 MiB at a
-    Llama-2-7B shape (32000 x 4096 in bf16), the largest transient of a LoRA step there. A frozen head has no
+    its shard and of every activation saved for backward: +500 MiB at a Llama-2-7B shape (32000 x 4096 in bf16),
+    when a rank's memory is at its fullest. A frozen head has no
     gradient to reduce-scatter and no optimizer state, so it can stay whole on every rank like a buffer: that costs
     (1 - 1/N) of its size for the whole run and removes twice its size from the peak. Only an untied head (a tied
     one is the input embedding's weight, which the root shards), wholly frozen, not quantized, and not under CPU
