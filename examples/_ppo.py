@@ -1,4 +1,5 @@
-"""PPO's arithmetic as DeepSpeed-Chat's step 3 does it (`dschat/rlhf/ppo_trainer.py`), as plain torch functions.
+"""PPO's arithmetic as DeepSpeed-Chat's step 3 does it (`dschat/rlhf/ppo_trainer.py`), as plain torch functions, and
+the per-token readings of the actor and the critic it works on.
 
 `examples/rlhf.py --step ppo` imports it as `_ppo`. Every tensor here covers the answer only: row i's sampled tokens
 are columns 0 .. n_i - 1 (its end-of-sequence token, when it produced one, is the last of them), `mask` is 1 there
@@ -108,5 +109,30 @@ def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.
     return ((logprobs - ref_logprobs) * mask).sum(1)
 
 
-__all__ = ["answer_mask", "ema_update_", "gae", "kl_rewards", "masked_mean", "policy_loss", "sequence_kl",
-           "token_logprobs", "value_loss"]  # fmt: skip
+# -- what PPO reads from the models (an engine, or any module taking these arguments) ----------------------------
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: each row's first real token is position 0, as in generation."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def token_scores(engine, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The scalar head's output at every position ([B, T]): the critic's values. transformers' sequence classifier
+    computes the head on every token and returns only the last real one's, so a hook on the head keeps them all."""
+    head = next(m for name, m in engine.module.named_modules() if name.rsplit(".", 1)[-1] == "score")
+    kept: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _module, _args, out: kept.append(out))
+    try:
+        engine(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
+    finally:
+        handle.remove()
+    return kept[-1][..., 0].float()
+
+
+def answer_logprobs(engine, seq: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+    """log p(answer token | everything before it) for the answer columns seq[:, start:] ([B, T - start])."""
+    logits = engine(input_ids=seq, attention_mask=mask, position_ids=positions(mask)).logits
+    return token_logprobs(logits[:, start - 1 : -1], seq[:, start:])
+
+
+__all__ = ["answer_logprobs", "answer_mask", "ema_update_", "gae", "kl_rewards", "masked_mean", "policy_loss",
+           "positions", "sequence_kl", "token_logprobs", "token_scores", "value_loss"]  # fmt: skip

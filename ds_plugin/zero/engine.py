@@ -225,8 +225,7 @@ class ZeroEngine:
         return gathered_for_generation(self.module)
 
     def exact_weight_gathers(self) -> contextlib.AbstractContextManager[nn.Module]:
-        """A block in which qwZ is off and every forward computes with the weights exactly as the shards hold them
-        (see `ds_plugin.zero.zeropp.exact_weight_gathers`): for comparing the engine with a saved copy."""
+        """A block with qwZ off, so forwards use the shards' exact weights (`zeropp.exact_weight_gathers`)."""
         return exact_weight_gathers(self.module)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
