@@ -14,6 +14,20 @@ A run is `warmup` untimed steps then `steps` timed ones (forward, backward, opti
 the slowest rank's); repetitions go in alternating order so background load on a shared machine falls on
 every config alike. Reported: the median step time over all timed steps of all repetitions, each
 repetition's median, the peak RSS, and the loss of the last step averaged over ranks.
+
+Scaling (`--sizes 16m 124m 350m --world-sizes 1 2 4`): the same comparison for each model size (see
+`benchmarks._peers_scaling` for the shapes and the per-size default warmup/steps) on each number of ranks. All
+configs of one (size, world size) run side by side, in alternating order, exactly as above; every rank has one
+thread, so more ranks than cores share them (the report's setup says how many of each). A run that would not fit
+in the memory available when it starts (a generous estimate, see `estimate_rank_mb`) is skipped with the reason,
+as is one that fails; the others still run. Before starting, the rough total duration goes to stderr.
+
+Report keys: one (size, world size) gives the report above (`runs`, `comparisons`, `setup`, `machine`, ...) plus
+`scaling`, its rows. Several give {"reports": [one such report per (size, world size)], "scaling": [every row],
+"setup", "machine", "ds_plugin", "torch", "deepspeed", "date"}. A `scaling` row: size (name), params (counted
+on the built model), world_size, name (config), dtype, median_step_s (as in `runs`), tokens_per_s_per_rank
+(micro_batch * seq / median_step_s), peak_rss_mb (the largest rank's peak RSS); a run that did not complete has
+`reason` instead of the last three.
 """
 
 from __future__ import annotations
@@ -33,8 +47,19 @@ from typing import Any
 import torch
 
 from benchmarks._deepspeed_peer import deepspeed_env, deepspeed_version, engine_step
+from benchmarks._peers_scaling import (
+    DEFAULT_STEPS,
+    SIZES,
+    available_mb,
+    draw_scaling,
+    estimate_rank_mb,
+    estimate_seconds,
+    meta_params,
+    scaling_rows,
+    scaling_table,
+)
 from benchmarks.zero_memory import source_revision
-from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, count, number, output_file
+from ds_plugin._argparse import MAX_LOCAL_RANKS, MAX_TIMEOUT_S, ArgumentParser, count, number, output_file
 from ds_plugin.launch import run_ranks
 
 __all__ = ["NAMES", "main", "run"]
@@ -54,10 +79,10 @@ WORLD = 2
 SEQ = 128
 MICRO_BATCH = 4
 LR = 1e-3
-MODEL = {"n_layer": 4, "n_embd": 256, "n_head": 4}
+MODEL = SIZES["16m"]
 
 
-def _model() -> torch.nn.Module:
+def _model(size: str = "16m") -> torch.nn.Module:
     import warnings
 
     import transformers
@@ -67,7 +92,7 @@ def _model() -> torch.nn.Module:
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     # Dropout off: every framework then computes the same function, so fp32 losses can be compared.
-    return GPT2LMHeadModel(GPT2Config(**MODEL, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(GPT2Config(**SIZES[size], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 def _batch(step: int, rank: int, vocab: int) -> torch.Tensor:
@@ -138,7 +163,9 @@ def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: 
     raise ValueError(f"unknown config {name!r}; one of {', '.join(NAMES)}")
 
 
-def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int, reuse: bool) -> dict[str, Any]:
+def _rank_run(
+    rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int, reuse: bool, size: str = "16m"
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ds_plugin.runtime.host_memory import reuse_freed_host_memory
@@ -149,8 +176,9 @@ def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, step
     # loader, for one) to stderr.
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    model = _model()
+    model = _model(size)
     vocab = model.config.vocab_size
+    params = sum(p.numel() for p in model.parameters())  # before any wrapper shards or flattens them
     step = _make_step(name, dtype, model, rank, world, reuse)
     times, cpu, loss = [], [], None
     for i in range(warmup + steps):
@@ -166,21 +194,26 @@ def _rank_run(rank: int, world: int, *, name: str, dtype: str, warmup: int, step
         "cpu_times": cpu[warmup:],
         "final_loss": float(final) / world,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params": params,
+        "threads": torch.get_num_threads(),
     }
 
 
-def _one_run(name: str, dtype: str, warmup: int, steps: int, timeout: float, reuse: bool) -> dict[str, Any]:
+def _one_run(
+    name: str, dtype: str, warmup: int, steps: int, timeout: float, reuse: bool, size: str, world: int
+) -> dict[str, Any]:
     env = deepspeed_env() if name.startswith("deepspeed") else {}
     load = os.getloadavg()[0]
-    per_rank = run_ranks(
-        _rank_run, WORLD, timeout=timeout, env=env, name=name, dtype=dtype, warmup=warmup, steps=steps, reuse=reuse
-    )
+    kwargs = {"name": name, "dtype": dtype, "warmup": warmup, "steps": steps, "reuse": reuse, "size": size}
+    per_rank = run_ranks(_rank_run, world, timeout=timeout, env=env, **kwargs)
     return {
         "step_times": [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)],
         "cpu_times": [max(ts) for ts in zip(*(r["cpu_times"] for r in per_rank), strict=True)],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank),
         "final_loss": per_rank[0]["final_loss"],
         "load_avg_1min": load,
+        "params": per_rank[0]["params"],
+        "threads": max(r["threads"] for r in per_rank),
     }
 
 
@@ -233,6 +266,8 @@ def run(
     repeats: int = 3,
     timeout: float = 900,
     host_memory_reuse: bool = True,
+    size: str = "16m",
+    world_size: int = WORLD,
 ) -> dict[str, Any]:
     """Run every (config, dtype) `repeats` times in alternating order and return the report dict.
 
@@ -245,6 +280,8 @@ def run(
         timeout: seconds per run (DeepSpeed's first run compiles its CPU op).
         host_memory_reuse: glibc malloc keeps freed memory in every run's ranks, whichever the framework
             (ds_plugin's engine does it by itself on CPU; see `ds_plugin.runtime.host_memory`).
+        size: model size, a key of SIZES.
+        world_size: gloo ranks per run, one thread each.
     """
     ds_version, ds_missing = deepspeed_version()
     combos = [(n, d) for n in names for d in dtypes]
@@ -252,12 +289,16 @@ def run(
     results: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in combos}
     errors: dict[tuple[str, str], str] = {}
     load_start = os.getloadavg()
+    params = meta_params(size)
     for rep in range(repeats):
         for combo in combos if rep % 2 == 0 else combos[::-1]:
             if combo in skipped or combo in errors:
                 continue
+            if rep == 0 and (why := _will_not_fit(*combo, size, world_size, params)):
+                skipped[combo] = why
+                continue
             try:
-                results[combo].append(_one_run(*combo, warmup, steps, timeout, host_memory_reuse))
+                results[combo].append(_one_run(*combo, warmup, steps, timeout, host_memory_reuse, size, world_size))
             except RuntimeError as exc:  # one peer failing must not lose the others' numbers
                 errors[combo] = str(exc).strip().splitlines()[-1][:500]
     runs = []
@@ -268,13 +309,21 @@ def run(
             runs.append({"name": combo[0], "dtype": combo[1], "error": errors[combo]})
         else:
             runs.append(_summary(*combo, results[combo]))
-    return {
+    done = [r for rs in results.values() for r in rs]
+    params = done[0]["params"] if done else params  # counted on a rank's model; else the same model on meta
+    threads = max((r["threads"] for r in done), default=1)  # run_ranks gives every rank one thread
+    shape = ", ".join(f"{k}={v}" for k, v in SIZES[size].items())
+    report = {
         "runs": runs,
         "comparisons": _comparisons(runs),
         "setup": {
-            "model": f"GPT2({', '.join(f'{k}={v}' for k, v in MODEL.items())}, vocab 50257, dropout 0), 16.3M params",
-            "world_size": WORLD,
-            "threads_per_rank": 1,
+            "model": f"GPT2({shape}, vocab 50257, dropout 0), {params / 1e6:.1f}M params",
+            "size": size,
+            "params": params,
+            "world_size": world_size,
+            "threads_per_rank": threads,
+            "cpus": os.cpu_count(),
+            "oversubscribed": world_size * threads > (os.cpu_count() or 1),
             "host_memory_reuse": "on in every run" if host_memory_reuse else "off in every run",
             "seq": SEQ,
             "micro_batch": MICRO_BATCH,
@@ -299,6 +348,17 @@ def run(
         "deepspeed": ds_version,
         "date": datetime.date.today().isoformat(),
     }
+    report["scaling"] = scaling_rows(report)
+    return report
+
+
+def _will_not_fit(name: str, dtype: str, size: str, world: int, params: int) -> str | None:
+    """Why `world` ranks of this run would not fit in the memory available now, or None when they would."""
+    need = world * estimate_rank_mb(name, dtype, size, world, params, MICRO_BATCH * SEQ)
+    free = available_mb()
+    if free is None or need <= 0.9 * free:
+        return None
+    return f"not run: {world} ranks need ~{need / 1024:.1f} GB (rough estimate), {free / 1024:.1f} GB available"
 
 
 def draw(report: dict[str, Any], path: str) -> None:
@@ -332,7 +392,8 @@ def draw(report: dict[str, Any], path: str) -> None:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     fig.suptitle(
-        f"{report['setup']['model']}, {report['setup']['world_size']} ranks x 1 thread, "
+        f"{report['setup']['model']}, {report['setup']['world_size']} ranks x {report['setup']['threads_per_rank']} "
+        "thread, "
         f"torch {report['torch']}, deepspeed {report['deepspeed']}, {report['date']}",
         fontsize=9,
     )
@@ -358,6 +419,38 @@ def _table(report: dict[str, Any]) -> str:
     return "\n".join([*lines, json.dumps(report["comparisons"], indent=2)])
 
 
+def _combined(reports: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """The report of several (size, world size) runs: each one's report, and all their scaling rows."""
+    first, last = reports[0], reports[-1]
+    setup = first["setup"]
+    return {
+        "reports": reports,
+        "scaling": [row for r in reports for row in r["scaling"]],
+        "setup": {
+            "sizes": {r["setup"]["size"]: r["setup"]["model"] for r in reports},
+            "world_sizes": list(dict.fromkeys(r["setup"]["world_size"] for r in reports)),
+            "threads_per_rank": max(r["setup"]["threads_per_rank"] for r in reports),
+            "cpus": setup["cpus"],
+            "oversubscribed_world_sizes": sorted(
+                {r["setup"]["world_size"] for r in reports if r["setup"]["oversubscribed"]}
+            ),
+            "steps": {
+                r["setup"]["size"]: {"warmup": r["setup"]["warmup_steps"], "timed": r["setup"]["timed_steps"]}
+                for r in reports
+            },
+            "repeats": repeats,
+            "seq": setup["seq"],
+            "micro_batch": setup["micro_batch"],
+            "optimizer": setup["optimizer"],
+            "host_memory_reuse": setup["host_memory_reuse"],
+            "tokens_per_s_per_rank": "micro_batch * seq / median_step_s",
+            "peak_rss_mb": "getrusage maxrss of the largest rank, max over repeats, fresh processes per run",
+        },
+        "machine": {**first["machine"], "load_avg_1min_end": last["machine"]["load_avg_1min_end"]},
+        **{k: first[k] for k in ("ds_plugin", "torch", "deepspeed", "date")},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ds-plugin bench peers`."""
     parser = ArgumentParser(prog="ds-plugin bench peers", description=__doc__.splitlines()[0])
@@ -369,8 +462,19 @@ def main(argv: list[str] | None = None) -> int:
         choices=DTYPES,
         help="default: bf16 and fp32 where the CPU has bf16 units, else fp32 only (bf16 is emulated there)",
     )
-    parser.add_argument("--warmup", type=count(0), default=3, help="untimed steps per run")
-    parser.add_argument("--steps", type=count(), default=12, help="timed steps per run")
+    parser.add_argument(
+        "--sizes", nargs="+", choices=tuple(SIZES), help="GPT-2 sizes to time, each in its own runs (default: 16m)"
+    )
+    parser.add_argument(
+        "--world-sizes",
+        nargs="+",
+        type=count(1, MAX_LOCAL_RANKS),
+        help=f"gloo ranks per run, one thread each (default: {WORLD})",
+    )
+    parser.add_argument(
+        "--warmup", type=count(0), help="untimed steps per run (default per size: 16m 3, 124m 2, 350m 1)"
+    )
+    parser.add_argument("--steps", type=count(), help="timed steps per run (default per size: 16m 12, 124m 6, 350m 3)")
     parser.add_argument("--repeats", type=count(), default=3, help="runs per config, in alternating order")
     parser.add_argument(
         "--timeout", type=number(0, MAX_TIMEOUT_S, above_minimum=True), default=900, help="seconds per run"
@@ -390,15 +494,44 @@ def main(argv: list[str] | None = None) -> int:
         picked, why = fast_compute_dtype("cpu")
         args.dtypes = list(DTYPES) if picked == "bf16" else ["fp32"]
         print(f"bench peers: timing {' and '.join(args.dtypes)} ({why}; --dtypes to choose)", file=sys.stderr)
-    report = run(
-        tuple(args.names),
-        tuple(args.dtypes),
-        warmup=args.warmup,
-        steps=args.steps,
-        repeats=args.repeats,
-        timeout=args.timeout,
-        host_memory_reuse=args.host_memory_reuse == "on",
+    sizes = list(dict.fromkeys(args.sizes or ["16m"]))
+    worlds = list(dict.fromkeys(args.world_sizes or [WORLD]))
+    plan = [
+        {
+            "size": size,
+            "params": meta_params(size),
+            "world_size": world,
+            "warmup": DEFAULT_STEPS[size][0] if args.warmup is None else args.warmup,
+            "steps": DEFAULT_STEPS[size][1] if args.steps is None else args.steps,
+        }
+        for size in sizes
+        for world in worlds
+    ]
+    names, dtypes = tuple(args.names), tuple(args.dtypes)
+    eta = estimate_seconds(plan, names, dtypes, args.repeats, MICRO_BATCH * SEQ)
+    print(
+        f"bench peers: {len(plan) * len(names) * len(dtypes) * args.repeats} runs, roughly {eta / 60:.0f} min "
+        f"({eta:.0f} s) on {os.cpu_count()} CPUs",
+        file=sys.stderr,
     )
+    reports = []
+    for p in plan:
+        if len(plan) > 1:
+            print(f"bench peers: {p['size']} on {p['world_size']} ranks", file=sys.stderr)
+        reports.append(
+            run(
+                names,
+                dtypes,
+                warmup=p["warmup"],
+                steps=p["steps"],
+                repeats=args.repeats,
+                timeout=args.timeout,
+                host_memory_reuse=args.host_memory_reuse == "on",
+                size=p["size"],
+                world_size=p["world_size"],
+            )
+        )
+    report = reports[0] if len(reports) == 1 else _combined(reports, args.repeats)
     text = json.dumps(report, indent=2)
     for path in filter(None, (args.out, args.png)):  # missing folders were allowed while parsing
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -406,8 +539,16 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
     if args.png:
-        draw(report, args.png)
-    print(text if args.json else _table(report))
+        if len(reports) == 1:
+            draw(report, args.png)
+        else:
+            draw_scaling(report, args.png, NAMES)
+    if args.json:
+        print(text)
+    elif len(reports) == 1:
+        print(_table(report))
+    else:
+        print("\n\n".join([*(_table(r) for r in reports), scaling_table(report["scaling"])]))
     return 0
 
 
