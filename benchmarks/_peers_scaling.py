@@ -26,6 +26,7 @@ __all__ = [
     "meta_params",
     "scaling_rows",
     "scaling_table",
+    "will_not_fit",
 ]
 
 SIZES: dict[str, dict[str, int]] = {
@@ -37,16 +38,21 @@ VOCAB = 50257
 # (warmup, steps) per size when --warmup/--steps are not given.
 DEFAULT_STEPS: dict[str, tuple[int, int]] = {"16m": (3, 12), "124m": (2, 6), "350m": (1, 3)}
 
-# Rough cost model of one training step on one core, calibrated on this repository's 2-core Xeon (AVX512-bf16 and
-# AMX): 6 * params * tokens FLOPs at this many GFLOP/s per core. Without bf16 units bf16 is emulated and far slower.
-GFLOPS_PER_CORE = {"bf16": 150.0, "fp32": 60.0}
+# Rough cost model of one training step, calibrated on this repository's 2-core Xeon (AVX512-bf16 and AMX): the
+# 16m runs of benchmarks/results/peers_cpu.json and one-thread matmuls of each size's shapes. 6 * params * tokens
+# FLOPs, at one rate for the LM head (a thin d x 50257 matmul plus the softmax over the vocabulary) and a faster one
+# for the blocks (square-ish matmuls; without bf16 units bf16 is emulated and far slower), AdamW streaming ~32
+# bytes per local parameter at OPT_GBPS, and the gradients' all-reduce over loopback gloo at COMM_GBPS.
+HEAD_GFLOPS = {"bf16": 200.0, "fp32": 70.0}
+BLOCK_GFLOPS = {"bf16": 450.0, "fp32": 85.0}
 BF16_EMULATED_GFLOPS = 8.0
+OPT_BYTES_PER_PARAM, OPT_GBPS, COMM_GBPS = 32.0, 10.0, 2.0
 # Seconds per run outside the steps: starting the ranks, imports, building the model, wrapping it; DeepSpeed's
 # import and engine set-up cost a few seconds more.
 RUN_OVERHEAD_S = 8.0
 RUN_OVERHEAD_S_PER_MPARAM = 0.04
 DEEPSPEED_OVERHEAD_S = 6.0
-# Per-rank memory outside the model states: torch, transformers and the framework imported, plus activations.
+# Per-rank memory outside the model states: torch, transformers and the framework imported.
 BASE_RANK_MB = 800.0
 
 
@@ -60,30 +66,41 @@ def meta_params(size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _step_seconds(params: int, tokens: int, dtype: str, world: int, cpus: int, bf16_units: bool) -> float:
-    gflops = GFLOPS_PER_CORE["fp32"] if dtype == "fp32" else GFLOPS_PER_CORE["bf16"]
+def _step_seconds(name: str, dtype: str, size: str, params: int, tokens: int, world: int, bf16_units: bool) -> float:
+    head = VOCAB * SIZES[size]["n_embd"]
     if dtype == "bf16" and not bf16_units:
-        gflops = BF16_EMULATED_GFLOPS
-    # One thread per rank: more ranks than cores share them.
-    return 6 * params * tokens / (gflops * 1e9) * max(1.0, world / max(1, cpus))
+        compute = 6 * params * tokens / (BF16_EMULATED_GFLOPS * 1e9)
+    else:
+        compute = 6 * tokens * (head / HEAD_GFLOPS[dtype] + (params - head) / BLOCK_GFLOPS[dtype]) / 1e9
+    optimizer = OPT_BYTES_PER_PARAM * params / (1 if name == "ddp" else world) / (OPT_GBPS * 1e9)
+    grad_bytes = 2 if dtype == "bf16" and name != "ddp" else 4
+    comm = 0.0 if world == 1 else 2 * (world - 1) / world * grad_bytes * params / (COMM_GBPS * 1e9)
+    return compute + optimizer + comm
 
 
 def estimate_seconds(
     plan: list[dict[str, Any]], names: tuple[str, ...], dtypes: tuple[str, ...], repeats: int, tokens: int
-) -> float:
-    """Rough wall time of every run in `plan` (dicts with params, world_size, warmup, steps), in seconds."""
+) -> dict[str, float]:
+    """Rough wall time, in seconds per dtype, of every run in `plan` (dicts with params, world_size, warmup, steps).
+
+    A run costs its start-up (ranks, imports, model, wrapper) plus warmup + steps steps; ranks beyond the cores
+    slow both down in proportion (one thread per rank). Runs that would not fit in memory now cost nothing.
+    """
     from ds_plugin.runtime.cpu_bf16 import fast_compute_dtype
 
     bf16_units = fast_compute_dtype("cpu")[0] == "bf16"
     cpus = os.cpu_count() or 1
-    total = 0.0
+    total = dict.fromkeys(dtypes, 0.0)
     for p in plan:
+        share = max(1.0, p["world_size"] / cpus)
         for name in names:
             for dtype in dtypes:
-                step = _step_seconds(p["params"], tokens, dtype, p["world_size"], cpus, bf16_units)
+                if will_not_fit(name, dtype, p["size"], p["world_size"], p["params"], tokens):
+                    continue
+                step = _step_seconds(name, dtype, p["size"], p["params"], tokens, p["world_size"], bf16_units)
                 setup = RUN_OVERHEAD_S + RUN_OVERHEAD_S_PER_MPARAM * p["params"] / 1e6
                 setup += DEEPSPEED_OVERHEAD_S if name.startswith("deepspeed") else 0.0
-                total += repeats * (setup + (p["warmup"] + p["steps"]) * step)
+                total[dtype] += repeats * share * (setup + (p["warmup"] + p["steps"]) * step)
     return total
 
 
@@ -100,6 +117,15 @@ def estimate_rank_mb(name: str, dtype: str, size: str, world: int, params: int, 
     acts = tokens * (VOCAB * 16 + shape["n_layer"] * shape["n_embd"] * 90)
     base = BASE_RANK_MB + (400.0 if name.startswith("deepspeed") else 0.0)
     return base + (per_param * params + acts) / 2**20
+
+
+def will_not_fit(name: str, dtype: str, size: str, world: int, params: int, tokens: int) -> str | None:
+    """Why `world` ranks of this run would not fit in the memory available now (one line), or None if they would."""
+    need = world * estimate_rank_mb(name, dtype, size, world, params, tokens)
+    free = available_mb()
+    if free is None or need <= 0.9 * free:
+        return None
+    return f"not run: {world} ranks need ~{need / 1024:.1f} GB (rough estimate), {free / 1024:.1f} GB available"
 
 
 def available_mb() -> float | None:
@@ -169,11 +195,12 @@ def draw_scaling(report: dict[str, Any], path: str, names: tuple[str, ...]) -> N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     rows = [r for r in report["scaling"] if "median_step_s" in r]
     worlds = sorted({r["world_size"] for r in report["scaling"]})
     sizes = sorted({(r["params"], r["size"]) for r in report["scaling"] if r["params"]})
-    fig, axes = plt.subplots(2, len(worlds), figsize=(5 * len(worlds) + 1, 8), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, len(worlds), figsize=(5 * len(worlds) + 1, 8), squeeze=False, sharex=True, sharey="row")
     colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
     metrics = (("median_step_s", "median step time (s)"), ("peak_rss_mb", "peak RSS per rank (MB)"))
     for col, world in enumerate(worlds):
@@ -192,9 +219,19 @@ def draw_scaling(report: dict[str, Any], path: str, names: tuple[str, ...]) -> N
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xticks([p for p, _ in sizes], [f"{s}\n{p / 1e6:.1f}M" for p, s in sizes])
-            ax.minorticks_off()
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_locator(NullLocator())
             ax.set_ylabel(label)
-            ax.set_title(f"{world} rank{'s' if world > 1 else ''} x {report['setup']['threads_per_rank']} thread")
+            if row_i == len(metrics) - 1:
+                ax.set_xlabel("model size (parameters)")
+            threads = report["setup"]["threads_per_rank"]
+            over = world * threads > report["setup"]["cpus"]
+            ax.set_title(
+                f"{world} rank{'s' if world > 1 else ''} x {threads} thread"
+                + (f" on {report['setup']['cpus']} CPUs (oversubscribed)" if over else "")
+            )
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     for ax in axes.flat:  # one legend for all panels, with every (config, dtype) any panel drew
@@ -203,13 +240,13 @@ def draw_scaling(report: dict[str, Any], path: str, names: tuple[str, ...]) -> N
                 handles.append(h)
                 labels.append(lab)
     if handles:
-        fig.legend(handles, labels, loc="center right", fontsize=8)
+        fig.legend(handles, labels, loc="center right", fontsize=8, title="config, dtype", title_fontsize=8)
     fig.suptitle(
         f"bench peers scaling: GPT-2 sizes, seq {report['setup']['seq']}, micro-batch {report['setup']['micro_batch']},"
         f" {report['machine']['cpus']} CPUs, torch {report['torch']}, deepspeed {report['deepspeed']}, "
         f"{report['date']}",
         fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0, 0.82 if handles else 1, 0.96))
+    fig.tight_layout(rect=(0, 0, 1 - 1.7 / fig.get_figwidth() if handles else 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,9 +18,9 @@ repetition's median, the peak RSS, and the loss of the last step averaged over r
 Scaling (`--sizes 16m 124m 350m --world-sizes 1 2 4`): the same comparison for each model size (see
 `benchmarks._peers_scaling` for the shapes and the per-size default warmup/steps) on each number of ranks. All
 configs of one (size, world size) run side by side, in alternating order, exactly as above; every rank has one
-thread, so more ranks than cores share them (the report's setup says how many of each). A run that would not fit
-in the memory available when it starts (a generous estimate, see `estimate_rank_mb`) is skipped with the reason,
-as is one that fails; the others still run. Before starting, the rough total duration goes to stderr.
+thread, so more ranks than cores share them (the report's setup says how many of each). A run whose ranks would
+not fit in the memory available when it starts (a rough estimate: `_peers_scaling.estimate_rank_mb`) is skipped
+with the reason, as is one that fails; the others still run. Before starting, the rough duration goes to stderr.
 
 Report keys: one (size, world size) gives the report above (`runs`, `comparisons`, `setup`, `machine`, ...) plus
 `scaling`, its rows. Several give {"reports": [one such report per (size, world size)], "scaling": [every row],
@@ -50,13 +50,12 @@ from benchmarks._deepspeed_peer import deepspeed_env, deepspeed_version, engine_
 from benchmarks._peers_scaling import (
     DEFAULT_STEPS,
     SIZES,
-    available_mb,
     draw_scaling,
-    estimate_rank_mb,
     estimate_seconds,
     meta_params,
     scaling_rows,
     scaling_table,
+    will_not_fit,
 )
 from benchmarks.zero_memory import source_revision
 from ds_plugin._argparse import MAX_LOCAL_RANKS, MAX_TIMEOUT_S, ArgumentParser, count, number, output_file
@@ -294,7 +293,7 @@ def run(
         for combo in combos if rep % 2 == 0 else combos[::-1]:
             if combo in skipped or combo in errors:
                 continue
-            if rep == 0 and (why := _will_not_fit(*combo, size, world_size, params)):
+            if rep == 0 and (why := will_not_fit(*combo, size, world_size, params, MICRO_BATCH * SEQ)):
                 skipped[combo] = why
                 continue
             try:
@@ -350,15 +349,6 @@ def run(
     }
     report["scaling"] = scaling_rows(report)
     return report
-
-
-def _will_not_fit(name: str, dtype: str, size: str, world: int, params: int) -> str | None:
-    """Why `world` ranks of this run would not fit in the memory available now, or None when they would."""
-    need = world * estimate_rank_mb(name, dtype, size, world, params, MICRO_BATCH * SEQ)
-    free = available_mb()
-    if free is None or need <= 0.9 * free:
-        return None
-    return f"not run: {world} ranks need ~{need / 1024:.1f} GB (rough estimate), {free / 1024:.1f} GB available"
 
 
 def draw(report: dict[str, Any], path: str) -> None:
@@ -509,9 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     names, dtypes = tuple(args.names), tuple(args.dtypes)
     eta = estimate_seconds(plan, names, dtypes, args.repeats, MICRO_BATCH * SEQ)
+    per_dtype = ", ".join(f"{d} ~{t / 60:.0f} min" for d, t in eta.items())
     print(
-        f"bench peers: {len(plan) * len(names) * len(dtypes) * args.repeats} runs, roughly {eta / 60:.0f} min "
-        f"({eta:.0f} s) on {os.cpu_count()} CPUs",
+        f"bench peers: {len(plan) * len(names) * len(dtypes) * args.repeats} runs, roughly "
+        f"{sum(eta.values()) / 60:.0f} min on {os.cpu_count()} CPUs ({per_dtype}; a rough estimate)",
         file=sys.stderr,
     )
     reports = []
