@@ -105,15 +105,21 @@ def estimate_seconds(
 
 
 def estimate_rank_mb(name: str, dtype: str, size: str, world: int, params: int, tokens: int) -> float:
-    """A deliberately generous estimate of one rank's peak RSS in MB, to skip runs the machine cannot hold.
+    """A generous estimate of one rank's peak RSS in MB, to skip runs the machine cannot hold.
 
-    Model states per parameter: DDP keeps fp32 weights, gradients, its gradient buckets and AdamW's two moments
-    whole (20 bytes; bf16 autocast adds a bf16 copy); the sharded configs hold the fp32 model as built (4 bytes)
-    plus 16 bytes of weights, gradients and moments sharded over the ranks, plus room for a block being gathered.
-    Activations: fp32 logits and their gradients, and about 90 bytes per token per layer per hidden unit.
+    Model-state bytes per parameter: DDP keeps fp32 weights, gradients, its gradient buckets and AdamW's two
+    moments whole (20; bf16 autocast adds a bf16 copy). ZeRO-1/2 keep whole weights and gradients and shard the
+    optimizer's 12 bytes (8 + 12/N). ZeRO-3 and FSDP2 first hold the fp32 model as built and its shards (4 + 4/N),
+    later 16/N sharded, whichever is more, plus 2 for the blocks being gathered. Activations: fp32 logits and their
+    gradients, and about 90 bytes per token per layer per hidden unit. Plus the imports (more for DeepSpeed).
     """
     shape = SIZES[size]
-    per_param = (20.0 + (2.0 if dtype == "bf16" else 0.0)) if name == "ddp" else 6.0 + 16.0 / world
+    if name == "ddp":
+        per_param = 20.0 + (2.0 if dtype == "bf16" else 0.0)
+    elif name.startswith(("ds_plugin_zero", "deepspeed_zero")) and name[-1] in "12":
+        per_param = 8.0 + 12.0 / world
+    else:
+        per_param = max(4.0 + 4.0 / world, 16.0 / world) + 2.0
     acts = tokens * (VOCAB * 16 + shape["n_layer"] * shape["n_embd"] * 90)
     base = BASE_RANK_MB + (400.0 if name.startswith("deepspeed") else 0.0)
     return base + (per_param * params + acts) / 2**20

@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for p in plan:
         if len(plan) > 1:
-            print(f"bench peers: {p['size']} on {p['world_size']} ranks", file=sys.stderr)
+            print(f"bench peers: {p['size']} on {p['world_size']} rank(s)", file=sys.stderr)
         reports.append(
             run(
                 names,
