@@ -274,6 +274,8 @@ BENCH_FLAGS: dict[str, Spec] = {
     "peers": {
         "--names": (["ddp"], bad_choice(("ddp", "fsdp2", "ds_plugin_zero1", "ds_plugin_zero3"))),
         "--dtypes": (["bf16"], bad_choice(("bf16", "fp32"))),
+        "--sizes": (["16m", "350m"], bad_choice(("16m", "124m", "350m"))),
+        "--world-sizes": (["1", "4"], bad_int(1, 1024)),
         "--warmup": (["0", "3"], bad_int(0)),
         "--steps": (["12"], bad_int()),
         "--repeats": (["1"], bad_int()),
