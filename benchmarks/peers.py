@@ -382,7 +382,7 @@ def draw(report: dict[str, Any], path: str) -> None:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     fig.suptitle(
-        f"{report['setup']['model']}, {report['setup']['world_size']} ranks x {report['setup']['threads_per_rank']} "
+        f"{report['setup']['model']}, {report['setup']['world_size']} rank(s) x {report['setup']['threads_per_rank']} "
         "thread, "
         f"torch {report['torch']}, deepspeed {report['deepspeed']}, {report['date']}",
         fontsize=9,
@@ -462,15 +462,26 @@ def main(argv: list[str] | None = None) -> int:
         help=f"gloo ranks per run, one thread each (default: {WORLD})",
     )
     parser.add_argument(
-        "--warmup", type=count(0), help="untimed steps per run (default per size: 16m 3, 124m 2, 350m 1)"
+        "--warmup",
+        type=count(0),
+        help=f"untimed steps per run (default per size: {', '.join(f'{k} {w}' for k, (w, _) in DEFAULT_STEPS.items())})",
     )
-    parser.add_argument("--steps", type=count(), help="timed steps per run (default per size: 16m 12, 124m 6, 350m 3)")
+    parser.add_argument(
+        "--steps",
+        type=count(),
+        help=f"timed steps per run (default per size: {', '.join(f'{k} {n}' for k, (_, n) in DEFAULT_STEPS.items())})",
+    )
     parser.add_argument("--repeats", type=count(), default=3, help="runs per config, in alternating order")
     parser.add_argument(
         "--timeout", type=number(0, MAX_TIMEOUT_S, above_minimum=True), default=900, help="seconds per run"
     )
     parser.add_argument("--out", type=output_file, help="also write the JSON report to this file")
-    parser.add_argument("--png", type=output_file, help="also draw the chart to this PNG file (needs matplotlib)")
+    parser.add_argument(
+        "--png",
+        type=output_file,
+        help="also draw the chart to this PNG file (needs matplotlib); with several sizes or world sizes, step time "
+        "and peak RSS per rank against model size",
+    )
     parser.add_argument(
         "--host-memory-reuse",
         choices=("on", "off"),
