@@ -461,15 +461,16 @@ def main(argv: list[str] | None = None) -> int:
         type=count(1, MAX_LOCAL_RANKS),
         help=f"gloo ranks per run, one thread each (default: {WORLD})",
     )
+    per_size = DEFAULT_STEPS.items()
     parser.add_argument(
         "--warmup",
         type=count(0),
-        help=f"untimed steps per run (default per size: {', '.join(f'{k} {w}' for k, (w, _) in DEFAULT_STEPS.items())})",
+        help=f"untimed steps per run (default per size: {', '.join(f'{k} {w}' for k, (w, _) in per_size)})",
     )
     parser.add_argument(
         "--steps",
         type=count(),
-        help=f"timed steps per run (default per size: {', '.join(f'{k} {n}' for k, (_, n) in DEFAULT_STEPS.items())})",
+        help=f"timed steps per run (default per size: {', '.join(f'{k} {n}' for k, (_, n) in per_size)})",
     )
     parser.add_argument("--repeats", type=count(), default=3, help="runs per config, in alternating order")
     parser.add_argument(
