@@ -67,3 +67,41 @@ def test_bad_sizes_are_one_line(argv, flag, capsys):
         peers.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and f"argument {flag}:" in err
+
+
+def _fake_run(calls):
+    def run(names, dtypes, **kw):
+        calls.append((kw["size"], kw["world_size"], kw["warmup"], kw["steps"], kw["repeats"]))
+        setup = {"size": kw["size"], "model": "m", "world_size": kw["world_size"], "threads_per_rank": 1, "cpus": 2}
+        setup |= {"oversubscribed": False, "warmup_steps": kw["warmup"], "timed_steps": kw["steps"], "seq": 128}
+        setup |= {"micro_batch": 4, "optimizer": "o", "host_memory_reuse": "on"}
+        meta = {"ds_plugin": None, "torch": None, "deepspeed": None, "date": None}
+        return {
+            "runs": [],
+            "comparisons": {},
+            "setup": setup,
+            "machine": {"load_avg_1min_end": 0},
+            "scaling": [],
+        } | meta
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], [("16m", 2, 3, 12, 3)]),  # today's run, unchanged
+        (
+            ["--sizes", "124m", "350m", "--world-sizes", "1", "4", "--steps", "2", "--repeats", "1"],
+            [("124m", 1, 2, 2, 1), ("124m", 4, 2, 2, 1), ("350m", 1, 1, 2, 1), ("350m", 4, 1, 2, 1)],
+        ),
+        (["--sizes", "350m", "--warmup", "0"], [("350m", 2, 0, 3, 3)]),
+    ],
+)
+def test_flags_pick_the_runs(monkeypatch, capsys, argv, expected):
+    calls = []
+    monkeypatch.setattr(peers, "run", _fake_run(calls))
+    assert peers.main([*argv, "--dtypes", "fp32", "--json"]) == 0
+    assert calls == expected
+    report = json.loads(capsys.readouterr().out)
+    assert ("reports" in report) == (len(expected) > 1)
