@@ -152,20 +152,24 @@ class ZeroConfig:
     overlap_comm: bool | None = option(
         None,
         doc="overlap reduction with backward (null: DeepSpeed's default)",
-        ignored="not a switch here: stages 2/3 (FSDP2) always overlap gradient reduction with backward on GPU "
-        "streams; stages 0/1 reduce after backward, when the optimizer steps",
+        ignored="not a switch here: gradients are always reduced during backward (stages 0/1: a bucket as soon as "
+        "its last gradient is ready; stages 2/3: each FSDP2 block as its backward ends, on a GPU on its own stream)",
     )
     reduce_bucket_size: int | Auto = option(
-        500_000_000, doc="elements per reduce bucket", gt=0, auto=True, ignored=FSDP_BUCKETS
+        500_000_000,
+        doc="elements per reduce bucket",
+        gt=0,
+        auto=True,
+        ignored="stages 0/1 reduce in buckets of 4M elements, small enough to start during backward; stages 2/3 "
+        "reduce per FSDP2 block",
     )
     allgather_bucket_size: int = option(500_000_000, doc="elements per all-gather bucket", ge=0, ignored=FSDP_BUCKETS)
     stage3_prefetch_bucket_size: int | Auto = option(
         50_000_000,
-        doc="elements prefetched ahead",
+        doc="parameter elements gathered ahead of use (stages 2/3: the next FSDP2 blocks that fit; 0 = none)",
         ge=0,
         auto=True,
         aliases=("prefetch_bucket_size",),
-        ignored=FSDP_BUCKETS,
     )
     stage3_param_persistence_threshold: int | Auto = option(
         100_000,

@@ -197,11 +197,12 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     # 32000 x 4096 weights). The embedding frees its gathered weight after forward, as a block does; the head, used
     # last in forward and first in backward, stays gathered between the two (freeing it there would only add an
     # all-gather) and is freed after its backward.
-    for module, after_forward in _separate_ends(model, root):
-        if module is whole:
-            continue
+    ends = [(m, after) for m, after in _separate_ends(model, root) if m is not whole]
+    frozen_embeddings: set[nn.Module] = set()
+    for module, after_forward in ends:
         fully_shard(module, **{**kwargs, "reshard_after_forward": after_forward})
         if isinstance(module, nn.Embedding) and not any(p.requires_grad for p in module.parameters()):
+            frozen_embeddings.add(module)
             # A frozen input embedding has nothing to compute in backward (its input, token ids, takes no gradient),
             # but FSDP2's implicit backward prefetch would still gather it when the first block's backward starts,
             # at the size of the whole table twice over (500 MiB at a 7B Llama shape): the step's peak there.
@@ -214,21 +215,62 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     # the root gathered there moved fp16 ZeRO++ from 0.84% to 1.01% off ZeRO-3's loss in
     # tests/zero/test_zeropp_convergence.py.
     ignored = set(whole.parameters()) if whole is not None else None
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False if root is True else root, "ignored_params": ignored})
-    if root is not False and mesh.device_type == "cpu":
-        _no_backward_prefetch(model)
+    root_after = False if root is True else root
+    fully_shard(model, **{**kwargs, "reshard_after_forward": root_after, "ignored_params": ignored})
+    first = [m for m, _ in ends if isinstance(m, nn.Embedding)]  # the input embedding; a head is used last
+    units = first + blocks + [m for m, _ in ends if m not in first]
+    _set_prefetch(model, units, frozen_embeddings, plan, mesh)
 
 
-def _no_backward_prefetch(model: nn.Module) -> None:
-    # FSDP2 gathers the next unit's weights when a unit's backward starts (its implicit backward prefetch), so that
-    # on a GPU the all-gather runs on its own stream under the current unit's compute. On a CPU there are no streams
-    # and the all-gather is synchronous (FSDP2 issues it with async_op=False): the prefetch overlaps nothing, it only
-    # gathers a unit one step early and holds both at once (one 7B Llama layer's INT4 codes: ~110 MiB, plus the
-    # all-gather buffer). An explicit prefetch list turns the implicit one off; each unit names itself, which is
-    # already gathered when its backward starts, so nothing is prefetched.
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_modules_to_backward_prefetch([module])
+def _ahead(units: list[nn.Module], numel: int) -> list[nn.Module]:
+    # The leading units of `units` whose parameters add up to at most `numel` elements.
+    out, total = [], 0
+    for unit in units:
+        total += sum(p.numel() for p in unit.parameters())
+        if total > numel:
+            break
+        out.append(unit)
+    return out
+
+
+def _set_prefetch(
+    model: nn.Module, units: list[nn.Module], no_backward_gather: set[nn.Module], plan: ZeroPlan, mesh: DeviceMesh
+) -> None:
+    """Prefetch the next units' weights while a unit computes: `stage3_prefetch_bucket_size` elements ahead.
+
+    FSDP2's own (implicit) prefetch overlaps a gather with compute only on a GPU, where the all-gather runs on
+    its own stream; on a CPU it issues the gather synchronously (`async_op=False`, no streams), so it overlaps
+    nothing. Here each unit names the units to gather ahead of it, forward (`set_modules_to_forward_prefetch`) and,
+    when blocks are resharded after forward, backward (`set_modules_to_backward_prefetch`): as many units as fit
+    in `plan.prefetch_numel` elements. On a CPU the gathers are then issued asynchronously (gloo runs them in its
+    own thread while this one computes). A unit too large for the budget is not prefetched: on a CPU nothing is
+    gathered early (one 7B Llama layer's INT4 codes: ~110 MiB more held at once), on a GPU FSDP2's implicit
+    stream prefetch stays.
+
+    Args:
+        model: the root FSDP module.
+        units: the other FSDP units, in forward order (input embedding, blocks, output head).
+        no_backward_gather: units that `set_unshard_in_backward(False)` keeps sharded in backward.
+        plan: the resolved plan.
+        mesh: the data-parallel mesh.
+    """
+    cpu = mesh.device_type == "cpu"
+    budget = plan.prefetch_numel
+    forward = {model: _ahead(units, budget)} | {u: _ahead(units[i + 1 :], budget) for i, u in enumerate(units)}
+    backward: dict[nn.Module, list[nn.Module]] = {}
+    if plan.reshard_after_forward is not False:
+        # Backward runs the units in reverse; a frozen embedding that skips its backward gather is never fetched.
+        order = [u for u in reversed(units) if u not in no_backward_gather]
+        backward = {model: _ahead(order, budget)} | {u: _ahead(order[i + 1 :], budget) for i, u in enumerate(order)}
+    prefetching = any(forward.values()) or any(backward.values())
+    for unit in (model, *units):
+        if cpu and prefetching:
+            unit._set_unshard_async_op(True)
+        if forward[unit]:
+            unit.set_modules_to_forward_prefetch(forward[unit])
+        if backward.get(unit) or (cpu and unit in backward):
+            # An explicit list replaces FSDP2's implicit prefetch; on a CPU an empty budget names the unit itself.
+            unit.set_modules_to_backward_prefetch(backward[unit] or [unit])
 
 
 def _whole_frozen_head(model: nn.Module, plan: ZeroPlan) -> nn.Module | None:

@@ -3,10 +3,9 @@
 `setup_zero` (`setup.py`; `initialize` and every adapter go through it) builds the engine from a `ZeroPlan`;
 the adapters drive it through `backward`, `step`, `no_sync`, the clipping methods and the state-dict methods.
 One optimizer step: `backward(loss)` per micro-step (loss divided by the accumulation steps, scaled by the fp16
-loss scaler; gradients synchronised only on the last micro-step), then `step()`: reduce (stages 0/1), fp16
-overflow check and unscale, clip by the global norm, optimizer step, copy the masters back (stages 0/1), zero
-the gradients, close the comms logger's step.
-"""
+loss scaler; gradients reduced, during it, only on the last micro-step), then `step()`: finish the reduction
+(stages 0/1), fp16 overflow check and unscale, clip by the global norm, optimizer step, copy the masters back
+(stages 0/1), zero the gradients, close the comms logger's step."""
 
 from __future__ import annotations
 
@@ -257,8 +256,10 @@ class ZeroEngine:
         """
         self._boundary = bool(is_boundary)
 
-    def _set_fsdp_sync(self, sync: bool) -> None:
-        if self._replicated is None and sync != self._fsdp_sync:
+    def _set_sync(self, sync: bool) -> None:
+        if self._replicated is not None:  # stages 0/1: whether the next backward launches bucket reductions
+            self._replicated.begin_backward(sync)
+        elif sync != self._fsdp_sync:
             self.module.set_requires_gradient_sync(sync)
             self._fsdp_sync = sync
 
@@ -266,13 +267,13 @@ class ZeroEngine:
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally without communicating."""
         self._no_sync_depth += 1
-        self._set_fsdp_sync(False)
+        self._set_sync(False)
         try:
             yield
         finally:
             self._no_sync_depth -= 1
             if not self._no_sync_depth:
-                self._set_fsdp_sync(True)
+                self._set_sync(True)
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-step's loss.
@@ -289,7 +290,7 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
         sync = self._no_sync_depth == 0 and (self._sync_every_micro_step or self.is_gradient_accumulation_boundary())
-        self._set_fsdp_sync(sync)
+        self._set_sync(sync)
         with peer_failure_guard("backward", self.global_steps + 1, self.resume_hint):
             loss.backward(retain_graph=retain_graph)
 
@@ -580,9 +581,8 @@ class ZeroEngine:
         load_optimizer_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[Path | None, dict[str, Any]]:
-        """Load `load_dir/<tag>`, by default the newest complete checkpoint; returns (its path, its client_state).
-
-        Returns (None, {}) when `load_dir` holds no complete checkpoint (a fresh start). Any stage, any world size.
+        """Load `load_dir/<tag>`, by default the newest complete checkpoint; returns (its path, its client_state),
+        or (None, {}) when `load_dir` holds no complete checkpoint (a fresh start). Any stage, any world size.
 
         Args:
             load_dir: the directory `save_checkpoint` wrote into.

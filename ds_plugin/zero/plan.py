@@ -25,6 +25,7 @@ from ds_plugin.config import (
     OptimizerConfig,
     SchedulerConfig,
     TrainingConfig,
+    ZeroConfig,
 )
 from ds_plugin.optimizer_config import fill_auto
 from ds_plugin.presets import ConfigSource, load_config
@@ -88,6 +89,8 @@ class ZeroPlan:
     grad_accum_dtype: DType
     reshard_after_forward: bool | int
     """FSDP2's setting for the blocks (stages 2/3): False (stage 2), True (stage 3), or hpZ's group size k."""
+    prefetch_numel: int
+    """`stage3_prefetch_bucket_size`: parameter elements whose all-gather may run ahead of use (stages 2/3)."""
     offload: bool
     """Sharded state (fp32 masters, optimizer state) lives in host memory (`offload_optimizer`/`offload_param`)."""
     pin_memory: bool
@@ -183,6 +186,13 @@ def _apply_framework(config: TrainingConfig, fw: FrameworkSettings) -> tuple[Tra
         train_micro_batch_size_per_gpu=AUTO if mb in (AUTO, None) and fw.micro_batch_size else mb,
     )
     return config, ga
+
+
+def _prefetch_numel(value: Any) -> int:
+    # "auto" (the HF Trainer fills it from the hidden size; nothing did here) takes the key's default.
+    if value == AUTO:
+        value = ZeroConfig.__dataclass_fields__["stage3_prefetch_bucket_size"].default
+    return int(value)
 
 
 def _reshard_after_forward(stage: int, hpz: int, world_size: int) -> bool | int:
@@ -364,6 +374,7 @@ def resolve_plan(
         reduce_dtype=config.reduce_dtype,
         grad_accum_dtype=config.grad_accum_dtype,
         reshard_after_forward=_reshard_after_forward(config.stage, zero.hpz_partition_size, world_size),
+        prefetch_numel=_prefetch_numel(zero.stage3_prefetch_bucket_size),
         offload=offload,
         pin_memory=pin,
         quantized_weights_block=zero.zero_quantized_weights_block_size if zero.zero_quantized_weights else None,

@@ -132,21 +132,35 @@ def _optimizers(rank: int, world: int) -> dict:
 def _no_sync_fp16_bnb(rank: int, world: int) -> dict:
     from ds_plugin.zero.setup import initialize
 
+    from ds_plugin.zero import stage1
+
     out: dict = {}
     for stage in (0, 1, 2, 3):
         # no_sync: two half-weighted micro-batches, the first without communication, equal one whole batch.
         whole = initialize(gpt2(), zero_config(stage), make_optimizer("sgd"))
+        default_bucket, stage1._BUCKET_NUMEL = stage1._BUCKET_NUMEL, 8_000  # several buckets in the tiny model
         parts = initialize(gpt2(), zero_config(stage), make_optimizer("sgd"))
         x = batch(0, rank, world, per_rank=4)
         whole.backward(whole(input_ids=x, labels=x).loss)
         whole.step()
+        state = parts._replicated  # stages 0/1: reductions launched from backward hooks, by bucket
         with parts.no_sync():
             parts.backward(parts(input_ids=x[:2], labels=x[:2]).loss * 0.5)
-        silent = all(p.grad is None for p in parts.trainable_parameters())
+        silent = all(p.grad is None for p in parts.trainable_parameters()) and not (state and state._launched)
         parts.backward(parts(input_ids=x[2:], labels=x[2:]).loss * 0.5)
+        buckets = list(range(len(state._buckets))) if state else []
+        launched = state is None or (len(buckets) > 1 and sorted(state._launched) == buckets)
         parts.step()
-        pw, pp = full_params(whole.module), full_params(parts.module)
-        out["no_sync", stage] = (silent, max((pw[k] - pp[k]).abs().max().item() for k in pw))
+        # Two synchronised backwards in one step (stages 0/1: the second finds its buckets already launched and
+        # has them reduced again at the step) equal one backward of the whole batch.
+        twice = initialize(gpt2(), zero_config(stage), make_optimizer("sgd"))
+        for half in (x[:2], x[2:]):
+            twice.backward(twice(input_ids=half, labels=half).loss * 0.5)
+        twice.step()
+        stage1._BUCKET_NUMEL = default_bucket
+        pw, pp, pt = full_params(whole.module), full_params(parts.module), full_params(twice.module)
+        diff = max(max((pw[k] - q[k]).abs().max().item() for k in pw) for q in (pp, pt))
+        out["no_sync", stage] = (silent and launched, diff)
 
         # fp16: an overflow on rank 0 only must skip the step on every rank and halve the scale.
         cfg = zero_config(stage, dtype="fp16")
@@ -271,7 +285,7 @@ def test_optimizer_step_called_directly_still_reduces_and_syncs(two_ranks, stage
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_no_sync_skips_communication(two_ranks, stage):
+def test_no_sync_skips_communication_and_the_last_backward_reduces(two_ranks, stage):
     _, results = two_ranks
     for r in results:
         silent, diff = r["no_sync", stage]

@@ -16,17 +16,6 @@ STEPS = 20
 INJECT = {5: math.inf, 11: math.nan}  # step -> value written into one gradient element on rank 0 only
 
 
-def _poison(engine, value: float) -> None:
-    from torch.distributed.tensor import DTensor
-
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            if g.numel():
-                g.view(-1)[0] = value
-                return
-
-
 def _worker(rank: int, world: int) -> dict:
     quiet()
     from ds_plugin.zero.setup import initialize
@@ -39,9 +28,10 @@ def _worker(rank: int, world: int) -> dict:
             for step in range(STEPS):
                 x = batch(step, rank, world)
                 loss = engine(input_ids=x, labels=x).loss
-                engine.backward(loss)
-                if injected and step in INJECT and rank == 0:
-                    _poison(engine, INJECT[step])
+                # The inf/nan enters during backward, where every stage reduces (stages 0/1 launch their bucket
+                # reductions from backward hooks, as FSDP2 does at 2/3): rank 0's gradients turn non-finite.
+                poisoned = injected and step in INJECT and rank == 0
+                engine.backward(loss * INJECT[step] if poisoned else loss)
                 before = full_params(engine.module) if injected and step in INJECT else None
                 stepped.append(bool(engine.step()))
                 if before is not None:
