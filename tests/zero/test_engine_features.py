@@ -226,6 +226,33 @@ def _mixed(rank: int, world: int) -> dict:
     return out
 
 
+def _prefetch(rank: int, world: int) -> dict:
+    # stage3_prefetch_bucket_size: gathers issued ahead change when weights arrive, never what is computed.
+    from torch.distributed.fsdp import FSDPModule
+
+    from ds_plugin.zero.setup import initialize
+
+    out: dict = {}
+    for stage in (2, 3):
+        runs = {}
+        for budget in (0, 50_000_000):
+            cfg = zero_config(stage)
+            cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = budget
+            engine = initialize(gpt2(), cfg, make_optimizer("adamw"))
+            units = [m for m in engine.module.modules() if isinstance(m, FSDPModule)]
+            states = [u._get_fsdp_state() for u in units]
+            lists = (
+                sum(len(s._states_to_forward_prefetch) for s in states),
+                sum(len(s._states_to_backward_prefetch) for s in states),
+                all(g.unshard_async_op for u in units for g in u._get_fsdp_state()._fsdp_param_groups),
+            )
+            runs[budget] = (train_engine(engine, rank, world, 3)["loss"], full_params(engine.module), lists)
+        (loss0, params0, lists0), (loss1, params1, lists1) = runs[0], runs[50_000_000]
+        same = loss0 == loss1 and all(torch.equal(params0[k], params1[k]) for k in params0)
+        out["prefetch", stage] = (same, lists0, lists1, len(units))
+    return out
+
+
 def _two_ranks(rank: int, world: int, ckpt: str) -> dict:
     quiet()
     return {
@@ -233,6 +260,7 @@ def _two_ranks(rank: int, world: int, ckpt: str) -> dict:
         **_optimizers(rank, world),
         **_no_sync_fp16_bnb(rank, world),
         **_mixed(rank, world),
+        **_prefetch(rank, world),
     }
 
 
@@ -291,6 +319,22 @@ def test_no_sync_skips_communication_and_the_last_backward_reduces(two_ranks, st
         silent, diff = r["no_sync", stage]
         assert silent
         assert diff < 1e-6
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_prefetch_budget_gathers_ahead_and_changes_no_number(two_ranks, stage):
+    _, results = two_ranks
+    for r in results:
+        same, (fwd0, bwd0, async0), (fwd1, bwd1, async1), units = r["prefetch", stage]
+        assert same
+        # Budget 0: nothing ahead; on a CPU each unit's backward list names only itself (FSDP2's implicit
+        # prefetch off), and gathers stay synchronous.
+        assert fwd0 == 0 and not async0 and bwd0 == (units if stage == 3 else 0)
+        # The tiny model fits in the budget: each unit prefetches every later one (root: all others), gathering
+        # asynchronously; stage 2 keeps weights gathered from forward to backward, so backward gathers nothing.
+        assert fwd1 == units * (units - 1) // 2 and async1
+        # Stage 3 mirrors that in backward, and the unit run last names only itself.
+        assert bwd1 == (fwd1 + 1 if stage == 3 else 0)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
