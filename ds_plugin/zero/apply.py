@@ -33,7 +33,7 @@ from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device,
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
 from ds_plugin.zero.wrap import BlockTypes, find_blocks
-from ds_plugin.zero.zeropp import install_zeropp
+from ds_plugin.zero.zeropp import AllReduceScatter, install_zeropp
 
 __all__ = ["apply_plan", "apply_zero", "broadcast_module_states", "is_zero_applied", "mixed_precision_policy"]
 
@@ -220,6 +220,14 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     first = [m for m, _ in ends if isinstance(m, nn.Embedding)]  # the input embedding; a head is used last
     units = first + blocks + [m for m, _ in ends if m not in first]
     _set_prefetch(model, units, frozen_embeddings, plan, mesh)
+
+
+def _gloo_reduce_scatter(model: nn.Module) -> None:
+    # Every unit reduce-scatters its gradients through an all-reduce (faster on gloo: see `AllReduceScatter`).
+    comm = AllReduceScatter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(comm)
 
 
 def _ahead(units: list[nn.Module], numel: int) -> list[nn.Module]:
@@ -429,6 +437,8 @@ def apply_plan(
     if plan.stage >= 2:
         _check_quantized_shards(model, plan, mesh)
         _shard(model, plan, mesh, blocks)
+        if mesh.device_type == "cpu" and plan.quantized_gradients_block is None:
+            _gloo_reduce_scatter(model)
         # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
         install_zeropp(
             model,

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
 
 __all__ = [
+    "AllReduceScatter",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "ZeroPPStats",
@@ -340,6 +341,30 @@ def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGro
         if rank % ranks_per_node == j:
             inter = g
     return intra, inter
+
+
+class AllReduceScatter(_PlainAlloc):
+    """FSDP2's reduce-scatter on gloo as an all-reduce of which this rank keeps its chunk.
+
+    gloo's all-reduce is a pipelined ring; its reduce-scatter is not: on one host with 2 ranks, 13M fp32 elements
+    reduce-scatter in 66 ms and all-reduce in 54 ms (bf16: 44 and 35 ms), more than the chunk copy costs. The
+    input is FSDP2's own staging buffer, summed in place. SUM and AVG (FSDP2's op for fp32/bf16) only; any other
+    op takes gloo's reduce-scatter.
+    """
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool = False
+    ):
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        world = dist.get_world_size(group)
+        dist.all_reduce(input_tensor, group=group)
+        mine = input_tensor.view(world, -1)[dist.get_rank(group)]
+        if op == dist.ReduceOp.AVG:
+            torch.div(mine, world, out=output_tensor.view_as(mine))
+        else:
+            output_tensor.copy_(mine.view_as(output_tensor))
+        return None
 
 
 class _PlainAllGather(_PlainAlloc):
