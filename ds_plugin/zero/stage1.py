@@ -79,6 +79,14 @@ def _into_chunks(full: torch.Tensor, chunks: torch.Tensor, c: int) -> None:
         chunks[q, :rem].copy_(full[q * c :])
 
 
+def _zero_padding(chunks: torch.Tensor, rows: int, c: int) -> None:
+    # The rows past the tensor's end in its last rank chunks (torch.chunk's last shards are short or empty).
+    q, rem = divmod(rows, c)
+    if q < chunks.shape[0]:
+        chunks[q, rem:].zero_()
+        chunks[q + 1 :].zero_()
+
+
 def _from_chunks(chunks: torch.Tensor, full: torch.Tensor, c: int) -> None:
     q, rem = divmod(full.shape[0], c)
     if q:
@@ -282,10 +290,11 @@ class ReplicatedState:
             g = self._grad(s.index)
             if bucket.sharded:
                 chunks = _rank_chunks(inp, self.world, s)
-                if g is None or s.chunk_rows * self.world != s.rows:
-                    chunks.zero_()  # padding rows (torch.chunk's last shards are short) and unused parameters
-                if g is not None:
+                if g is None:
+                    chunks.zero_()  # a parameter unused this step
+                else:
                     _into_chunks(g.reshape(s.rows, s.inner), chunks, s.chunk_rows)
+                    _zero_padding(chunks, s.rows, s.chunk_rows)
             else:
                 part = inp[s.offset : s.offset + s.rows * s.inner]
                 part.zero_() if g is None else part.copy_(g.reshape(-1))
