@@ -148,11 +148,17 @@ class QuantizedAllGather(_PlainAlloc):
             levels = (group,)
             out = output_tensor.view(world, shard)
         pieces = _pieces(shard, block, self.piece_numel)
-        for (start, end), (piece_codes, piece_scales) in zip(
-            pieces, _gather_pieces(codes, scales, pieces, block, levels), strict=True
-        ):
-            dequantize_rows_into(out[..., start:end], piece_codes, piece_scales, block, compiled=compiled)
-        self.stats.quantized_all_gathers += 1
+        flights = [_Gathering(codes[a:b], scales[a // block : -(-b // block)], levels[0]) for a, b in pieces]
+
+        def land() -> None:
+            for (start, end), (piece_codes, piece_scales) in zip(pieces, _land(flights, levels), strict=True):
+                dequantize_rows_into(out[..., start:end], piece_codes, piece_scales, block, compiled=compiled)
+            self.stats.quantized_all_gathers += 1
+
+        if async_op:
+            # FSDP2 prefetching: the first-level gathers are on the wire; the rest happens when FSDP2 waits.
+            return _Deferred(land)
+        land()
         return None
 
     def _two_level(self, group: dist.ProcessGroup) -> bool:
@@ -192,13 +198,27 @@ class _Gathering:
         return self.codes, self.scales
 
 
-def _gather_pieces(codes: Tensor, scales: Tensor, pieces: list[tuple[int, int]], block: int, levels: tuple):
+class _Deferred(dist.Work):
+    """A collective FSDP2 waits on later (`async_op=True`): its collectives are in flight, `finish` completes it."""
+
+    def __init__(self, finish) -> None:
+        super().__init__()
+        self._finish = finish
+
+    def wait(self, timeout=None) -> bool:
+        if self._finish is not None:
+            self._finish, finish = None, self._finish
+            finish()
+        return True
+
+
+def _land(flights: list[_Gathering], levels: tuple):
     """Yield each piece's codes and scales gathered over `levels` (one or two groups, first to last), in order.
 
-    Every piece's first-level gather is issued up front; a piece is passed to the second level as soon as its
-    first lands, and is yielded (to be decoded by the caller) while the pieces after it are still travelling.
+    Every piece's first-level gather was issued up front (`flights`); a piece is passed to the second level as
+    soon as its first lands, and is yielded (to be decoded by the caller) while the pieces after it are still
+    travelling.
     """
-    flights = [_Gathering(codes[a:b], scales[a // block : -(-b // block)], levels[0]) for a, b in pieces]
     for k in range(len(flights)):
         for group in levels[1:]:
             flights[k] = _Gathering(*flights[k].wait(), group)
