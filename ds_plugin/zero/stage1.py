@@ -297,7 +297,10 @@ class ReplicatedState:
                     _zero_padding(chunks, s.rows, s.chunk_rows)
             else:
                 part = inp[s.offset : s.offset + s.rows * s.inner]
-                part.zero_() if g is None else part.copy_(g.reshape(-1))
+                if g is None:
+                    part.zero_()
+                else:
+                    part.copy_(g.reshape(-1))
         out = inp
         if fp16:
             inp.div_(self.world)  # pre-divide: a sum of loss-scaled fp16 gradients can overflow
