@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _recipe_common import load_tokenizer, reload_lora
+from _recipe_common import WordTokenizer, load_tokenizer, reload_lora
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # peft and transformers disagree on deprecated names
 
@@ -120,7 +120,8 @@ def main() -> None:
     parser.add_argument("--frozen-format", help="storage of the frozen base (default: the recipe's)")
     args = parser.parse_args()
     folder = find(args.path)
-    tok = load_tokenizer(args.model)
+    # chatglm_ptuning.py's tiny GLM reads the words of its training rows: the vocabulary it saved beside the prefix.
+    tok = (None if args.model else WordTokenizer.saved(folder)) or load_tokenizer(args.model)
     torch.manual_seed(args.seed)
     model = load(folder, args.model, args.frozen_format).eval()
     gen = torch.Generator().manual_seed(args.seed)
