@@ -139,8 +139,9 @@ def test_shipped_held_out_rows_are_unseen(data_module):
     assert len(held_wordings) == 8 and not held_wordings & seen_wordings, held_wordings & seen_wordings
     assert len(held) == len(held_pairs) * len(held_wordings)  # every held-out pair in every held-out wording
 
-    # ADGEN: each held-out product pairs a kind with a colour training never shows with that kind; the kind, the
-    # colour and every other attribute value are each seen in training, with other values.
+    # ADGEN: each held-out product pairs a kind with a colour training never shows with that kind (one colour per
+    # kind, each colour held out with one kind); the kind, the colour and every other attribute value are each seen
+    # in training, with other values.
     train, held = d.load_rows(None, None, 0.1, ("adgen",), d.DATA / "adgen_tiny.jsonl")
 
     def attributes(row: dict) -> dict[str, str]:
@@ -151,7 +152,8 @@ def test_shipped_held_out_rows_are_unseen(data_module):
     unseen = [attributes(r) for r in held]
     seen_products = {(a["type"], a["color"]) for a in seen}
     held_products = {(a["type"], a["color"]) for a in unseen}
-    assert len(held_products) == 6 and not held_products & seen_products, held_products & seen_products
+    assert len(held_products) == 12 and not held_products & seen_products, held_products & seen_products
+    assert len({k for k, _ in held_products}) == len({c for _, c in held_products}) == 12, held_products
     for field in ("type", "color", "style", "fit"):
         assert {a[field] for a in unseen} <= {a[field] for a in seen}, field
     # The ad copy reuses every attribute value of its row.
