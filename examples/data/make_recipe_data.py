@@ -47,7 +47,7 @@ COLORS = ["red", "blue", "green", "white", "yellow", "pink", "black", "grey", "b
 STYLES = ["casual", "elegant", "sporty", "vintage"]
 FITS = ["loose", "slim", "relaxed"]
 # The phrasing is fixed by the kind (four kinds each), so the copy is one sentence a model can learn, not a coin toss.
-PHRASINGS = ["A {style} {color} {kind} with a {fit} fit.", "This {color} {kind} is {style} and {fit}.",
+PHRASINGS = ["{A} {style} {color} {kind} with a {fit} fit.", "This {color} {kind} is {style} and {fit}.",
              "{Style} and {fit}: the {color} {kind}."]  # fmt: skip
 AD_TEMPLATES = {kind: PHRASINGS[i % len(PHRASINGS)] for i, kind in enumerate(KINDS)}  # fmt: skip
 
@@ -99,7 +99,8 @@ def adgen(rng: random.Random) -> list[dict]:
     rows = []
     for kind, color, style, fit in itertools.product(KINDS, COLORS, STYLES, FITS):
         content = f"type#{kind}*color#{color}*style#{style}*fit#{fit}"
-        words = {"kind": kind, "color": color, "style": style, "fit": fit, "Style": style.capitalize()}
+        words = {"kind": kind, "color": color, "style": style, "fit": fit, "Style": style.capitalize(),
+                 "A": "An" if style[0] in "aeiou" else "A"}  # fmt: skip
         split = "test" if held[kind] == color else "train"
         rows.append({"content": content, "summary": AD_TEMPLATES[kind].format(**words), "split": split})
     rng.shuffle(rows)
