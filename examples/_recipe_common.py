@@ -8,7 +8,9 @@ stderr and exit code 2, as argparse reports a bad argument.
 from __future__ import annotations
 
 import json
+import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import NoReturn
 
@@ -33,6 +35,57 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i > 2 or not skip_special_tokens).decode(errors="replace")
+
+
+class WordTokenizer(ByteTokenizer):
+    """Whole words as tokens, from a vocabulary built from the training text; anything else as bytes.
+
+    The text is cut into pieces: a run of letters, one digit, one other symbol (each with the space before it, as
+    GPT-2's tokenizer cuts), or one whitespace character; the pieces joined give the text back. Ids 0-2 are pad, BOS
+    and EOS, 3-127 the ASCII bytes (a piece outside the vocabulary: its bytes, '?' for a non-ASCII one), 128 on the
+    vocabulary's words, so every word the training text holds is one token and decoding never misspells it. Digits
+    stay single tokens, so a number training never shows is still made of known tokens."""
+
+    PIECES = re.compile(r" ?(?:[^\W\d_]+|\d|[^\w\s]|_)|\s")
+    FILE = "word_vocab.json"  # saved beside the prefix, so a reload (and examples/chat.py) reads text the same way
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = list(words)
+        self.ids = {w: 128 + i for i, w in enumerate(self.words)}
+
+    @property
+    def vocab_size(self) -> int:
+        return 128 + len(self.words)
+
+    @classmethod
+    def build(cls, texts, max_words: int = 4096) -> WordTokenizer:
+        """The pieces of `texts` longer than one byte, most frequent first (ties alphabetical), `max_words` at most."""
+        counts = Counter(p for text in texts for p in cls.PIECES.findall(text) if len(p) > 1)
+        return cls(sorted(counts, key=lambda p: (-counts[p], p))[:max_words])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens else []
+        for piece in self.PIECES.findall(text):
+            ids += [self.ids[piece]] if piece in self.ids else list(piece.encode("ascii", errors="replace"))
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        out = bytearray()
+        for i in ids:
+            if i >= 128:
+                out += self.words[i - 128].encode() if i < self.vocab_size else b"?"
+            elif i > 2 or not skip_special_tokens:
+                out.append(i)
+        return out.decode(errors="replace")
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / self.FILE).write_text(json.dumps({"words": self.words}, indent=0) + "\n")
+
+    @classmethod
+    def saved(cls, folder: Path) -> WordTokenizer | None:
+        """The vocabulary saved in `folder`, or None when there is none (a run with bytes or `--model`)."""
+        path = Path(folder) / cls.FILE
+        return cls(json.loads(path.read_text())["words"]) if path.is_file() else None
 
 
 def fail(path: str, problem: str) -> NoReturn:

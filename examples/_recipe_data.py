@@ -231,6 +231,14 @@ def _chat_segments(tok, messages: list[dict]) -> list[tuple[str, bool]]:
     return [*pieces, (full[done:], False)]
 
 
+def row_texts(row: dict) -> list[str]:
+    """The pieces of text `encode` tokenizes one by one (without a chat template): what a vocabulary built from the
+    training rows (`_recipe_common.WordTokenizer`) is built from."""
+    if "messages" not in row:
+        return [row["prompt"], row["response"]]
+    return [text for text, _ in _chat_segments(None, row["messages"])]
+
+
 def encode(tok, row: dict) -> tuple[list[int], list[int], int]:
     """Token ids, labels (-100 where no loss is taken) and where the last answer starts: `ids[:start]` is the
     prompt a model answers at evaluation. Plain rows: BOS, prompt, response, EOS, the loss on response and EOS.

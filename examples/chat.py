@@ -7,8 +7,9 @@
 `--path` is a recipe's --out-dir (or one of the folders in it): lora_sft.py's and accelerate_lora_sft.py's
 adapter/, chatglm_ptuning.py's prefix/, rlhf.py's ppo_adapter/ (the final actor; then dpo_adapter/, then
 sft_adapter/). The base is the one the recipe trained on: its tiny model, built from the same config and seed (nothing
-is downloaded), or `--model PATH`, the checkpoint you trained with, read row by row and stored as in training (the
-frozen Linear weights quantized as they are read). Each prompt is laid out as the recipe's data was: in the
+is downloaded; chatglm_ptuning.py's reads text with the word vocabulary it saved beside the prefix), or `--model
+PATH`, the checkpoint you trained with, read row by row and stored as in training (the frozen Linear weights
+quantized as they are read). Each prompt is laid out as the recipe's data was: in the
 tokenizer's chat template when it has one; otherwise as the recipe's shipped rows were written (RLHF's
 "Human: ...\\nAssistant:", ADGEN's "...\\nAd: "), or verbatim with `--raw`. Answers are greedy, or sampled with
 `--temperature` (and `--top-p`), up to `--max-new-tokens` or the end-of-sequence token.
@@ -23,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _recipe_common import load_tokenizer, reload_lora
+from _recipe_common import WordTokenizer, load_tokenizer, reload_lora
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # peft and transformers disagree on deprecated names
 
@@ -120,7 +121,8 @@ def main() -> None:
     parser.add_argument("--frozen-format", help="storage of the frozen base (default: the recipe's)")
     args = parser.parse_args()
     folder = find(args.path)
-    tok = load_tokenizer(args.model)
+    # chatglm_ptuning.py's tiny GLM reads the words of its training rows: the vocabulary it saved beside the prefix.
+    tok = (None if args.model else WordTokenizer.saved(folder)) or load_tokenizer(args.model)
     torch.manual_seed(args.seed)
     model = load(folder, args.model, args.frozen_format).eval()
     gen = torch.Generator().manual_seed(args.seed)

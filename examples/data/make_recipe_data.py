@@ -39,18 +39,17 @@ NEW_WORDINGS = ["How much is {a} plus {b}? ", "Please add up {a} and {b}: ", "Fi
 HELD_PAIRS, WORDINGS_PER_PAIR = 20, 25  # operand pairs held out; wordings drawn for each training pair
 
 # -- adgen_tiny.jsonl (P-Tuning v2): ChatGLM's ADGEN task in miniature, attributes -> one line of ad copy ------------
-# Within an attribute no two values share a first letter (nor "shirt" a first letter with another kind), so a value
-# is told by its first byte: the byte-level model copies one letter from the attributes and spells the rest.
-KINDS = ["coat", "dress", "hat", "jacket", "shirt", "tunic"]
-COLORS = ["red", "blue", "green", "white", "yellow", "pink"]
+# Twelve kinds and twelve colours: with six of each, every error on a held-out product put the held-out kind or
+# colour back to one training showed with the other (the one pair training never shows is the one a model learns
+# never to write); with more of each, copying the attribute pays more than recalling which pairs go together.
+KINDS = ["coat", "dress", "hat", "jacket", "shirt", "tunic", "skirt", "scarf", "sweater", "vest", "blouse", "cap"]
+COLORS = ["red", "blue", "green", "white", "yellow", "pink", "black", "grey", "brown", "orange", "purple", "beige"]
 STYLES = ["casual", "elegant", "sporty", "vintage"]
 FITS = ["loose", "slim", "relaxed"]
-# The phrasing is fixed by the kind (two kinds each), so the copy is one sentence a model can learn, not a coin toss.
-AD_TEMPLATES = {
-    "shirt": "A {style} {color} {kind} with a {fit} fit.", "jacket": "A {style} {color} {kind} with a {fit} fit.",
-    "dress": "This {color} {kind} is {style} and {fit}.", "tunic": "This {color} {kind} is {style} and {fit}.",
-    "coat": "{Style} and {fit}: the {color} {kind}.", "hat": "{Style} and {fit}: the {color} {kind}.",
-}  # fmt: skip
+# The phrasing is fixed by the kind (four kinds each), so the copy is one sentence a model can learn, not a coin toss.
+PHRASINGS = ["{A} {style} {color} {kind} with a {fit} fit.", "This {color} {kind} is {style} and {fit}.",
+             "{Style} and {fit}: the {color} {kind}."]  # fmt: skip
+AD_TEMPLATES = {kind: PHRASINGS[i % len(PHRASINGS)] for i, kind in enumerate(KINDS)}  # fmt: skip
 
 # -- rlhf_sft.jsonl / rlhf_pairs.jsonl (RLHF): questions about the colour of things, answers good and bad ----------
 THINGS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black", "lemon": "yellow", "tomato": "red",
@@ -100,7 +99,8 @@ def adgen(rng: random.Random) -> list[dict]:
     rows = []
     for kind, color, style, fit in itertools.product(KINDS, COLORS, STYLES, FITS):
         content = f"type#{kind}*color#{color}*style#{style}*fit#{fit}"
-        words = {"kind": kind, "color": color, "style": style, "fit": fit, "Style": style.capitalize()}
+        words = {"kind": kind, "color": color, "style": style, "fit": fit, "Style": style.capitalize(),
+                 "A": "An" if style[0] in "aeiou" else "A"}  # fmt: skip
         split = "test" if held[kind] == color else "train"
         rows.append({"content": content, "summary": AD_TEMPLATES[kind].format(**words), "split": split})
     rng.shuffle(rows)

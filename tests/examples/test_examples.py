@@ -89,10 +89,10 @@ def recipe(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-def flip_one_byte(out_dir: Path, name: str, dest: Path) -> Path:
+def flip_one_byte(out_dir: Path, name: str, dest: Path, element: int | None = None) -> Path:
     """A copy of a recipe's --out-dir with one byte of `name`'s weights file changed (the top byte of the middle
-    element of its first q_proj tensor, else of its first tensor: a value every held-out logit depends on);
-    returns the altered folder."""
+    element, or `element`, of its first q_proj tensor, else of its first tensor: a value every held-out logit
+    depends on); returns the altered folder."""
     shutil.copytree(out_dir, dest, ignore=shutil.ignore_patterns("*.png"))
     weights = next((dest / name).glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
@@ -101,18 +101,19 @@ def flip_one_byte(out_dir: Path, name: str, dest: Path) -> Path:
     tensor = tensors[next((k for k in sorted(tensors) if "q_proj" in k), sorted(tensors)[0])]
     size = {"F32": 4, "BF16": 2, "F16": 2}[tensor["dtype"]]
     start, end = tensor["data_offsets"]
-    data[8 + length + start + (end - start) // size // 2 * size + size - 1] ^= 0x40  # little-endian: the top byte
+    index = (end - start) // size // 2 if element is None else element
+    data[8 + length + start + index * size + size - 1] ^= 0x40  # little-endian: the top byte
     weights.write_bytes(bytes(data))
     return dest / name
 
 
-def check_reload_fails_when_altered(out_dir: Path, name: str, reload, tmp_path: Path) -> None:
+def check_reload_fails_when_altered(out_dir: Path, name: str, reload, tmp_path: Path, element: int | None = None):
     """The recipe's reload check (its held-out input and the engine's logits, kept beside the weights) passes on
-    what the recipe saved and fails once one byte of the weights file is changed."""
+    what the recipe saved and fails once one byte of the weights file is changed (`flip_one_byte`)."""
     common = importlib.import_module("_recipe_common")
     diff, problem = common.reload_mismatch(reload(out_dir / name), out_dir / name)
     assert problem is None, problem
-    altered = flip_one_byte(out_dir, name, tmp_path / f"altered_{name}")
+    altered = flip_one_byte(out_dir, name, tmp_path / f"altered_{name}", element)
     diff, problem = common.reload_mismatch(reload(altered), altered)
     assert problem and problem.startswith(f"reload check failed: {altered} reloaded onto a fresh base"), (diff, problem)
 
@@ -220,9 +221,18 @@ def test_chatglm_ptuning(tmp_path, monkeypatch, capsys):
 
     glm = recipe("chatglm_ptuning.py", monkeypatch)
     reload = partial(glm.reload_prefix, model_path=None, precision="bf16", frozen_format="none")
-    check_reload_fails_when_altered(tmp_path, "prefix", reload, tmp_path)
+    # The byte changed: the exponent's top bit of the smallest of the last layer's values in prefix row 16, which
+    # makes it ~1e38 times larger. The default element (the middle one: a key of layer 0, |v| 14.3) only shrinks
+    # to ~0 (as do most: the projected prefix is large), which moved the bf16 logits by 0.031, within the 0.1.
+    row = prefix[next(iter(prefix))][16]
+    last_values = 7 * 128 + int(row[7 * 128 :].float().abs().argmin())
+    check_reload_fails_when_altered(tmp_path, "prefix", reload, tmp_path, element=16 * 1024 + last_values)
     # The attention mask covers the prefix and hides the padding: a row alone gives its logits in a padded batch.
-    model, tok, cpu = reload(tmp_path / "prefix"), glm.load_tokenizer(None), torch.device("cpu")
+    # The tiny GLM reads the words of the training rows (one token each), the vocabulary saved beside the prefix.
+    tok = glm.WordTokenizer.saved(tmp_path / "prefix")
+    assert tok is not None and " jacket" in tok.words and "tokens: " in out, out[-2000:]
+    model, cpu = reload(tmp_path / "prefix"), torch.device("cpu")
+    assert model.get_input_embeddings().num_embeddings == tok.vocab_size
     held_out = importlib.import_module("_recipe_data").load_rows(None, None, 0.1, ("adgen",), glm.DATA)[1]
     ids, _, mask = glm.collate(tok, held_out[:4], cpu)
     short = int(mask.sum(1).argmin())

@@ -139,8 +139,9 @@ def test_shipped_held_out_rows_are_unseen(data_module):
     assert len(held_wordings) == 8 and not held_wordings & seen_wordings, held_wordings & seen_wordings
     assert len(held) == len(held_pairs) * len(held_wordings)  # every held-out pair in every held-out wording
 
-    # ADGEN: each held-out product pairs a kind with a colour training never shows with that kind; the kind, the
-    # colour and every other attribute value are each seen in training, with other values.
+    # ADGEN: each held-out product pairs a kind with a colour training never shows with that kind (one colour per
+    # kind, each colour held out with one kind); the kind, the colour and every other attribute value are each seen
+    # in training, with other values.
     train, held = d.load_rows(None, None, 0.1, ("adgen",), d.DATA / "adgen_tiny.jsonl")
 
     def attributes(row: dict) -> dict[str, str]:
@@ -151,7 +152,8 @@ def test_shipped_held_out_rows_are_unseen(data_module):
     unseen = [attributes(r) for r in held]
     seen_products = {(a["type"], a["color"]) for a in seen}
     held_products = {(a["type"], a["color"]) for a in unseen}
-    assert len(held_products) == 6 and not held_products & seen_products, held_products & seen_products
+    assert len(held_products) == 12 and not held_products & seen_products, held_products & seen_products
+    assert len({k for k, _ in held_products}) == len({c for _, c in held_products}) == 12, held_products
     for field in ("type", "color", "style", "fit"):
         assert {a[field] for a in unseen} <= {a[field] for a in seen}, field
     # The ad copy reuses every attribute value of its row.
@@ -183,6 +185,33 @@ def test_encode_puts_the_loss_on_answers_only(data_module, tmp_path, monkeypatch
     trained = [tok.decode([i]) for i, label in zip(ids, labels, strict=True) if label != -100]
     assert "".join(trained) == "Hello</s>4</s>", trained
     assert tok.decode(ids[:start]).endswith("<|user|>2+2?<|assistant|>")
+
+
+def test_word_tokenizer(data_module, tmp_path, monkeypatch, capsys):
+    # The P-Tuning recipe's default tokens: the words of the training rows, whole; everything else as bytes.
+    d, common = data_module, importlib.import_module("_recipe_common")
+    train, held = d.load_rows(None, None, 0.1, ("adgen",), d.DATA / "adgen_tiny.jsonl")
+    tok = common.WordTokenizer.build(text for row in train for text in d.row_texts(row))
+    pieces = {p for row in train for text in d.row_texts(row) for p in tok.PIECES.findall(text)}
+    assert set(tok.words) == {p for p in pieces if len(p) > 1} and tok.vocab_size == 128 + len(tok.words)
+    for row in train[:20] + held:  # every held-out word is a training word: one token each, spelled back exactly
+        ids, _, start = d.encode(tok, row)
+        assert tok.decode(ids, skip_special_tokens=True) == row["prompt"] + row["response"], row
+        assert len(ids[start:]) == len(row["response"].split()) + row["response"].count(":") + 2, ids  # "." and EOS
+    assert tok.encode(" red coat", add_special_tokens=False) == [tok.ids[" red"], tok.ids[" coat"]]
+    # Unknown words and numbers as bytes (digits one by one), non-ASCII as "?", and back.
+    assert tok.encode("Zed 42", add_special_tokens=False) == [*b"Zed 42"]
+    assert tok.decode(tok.encode("Hello wörld"), skip_special_tokens=True) == "Hello w?rld"
+    tok.save(tmp_path)
+    assert common.WordTokenizer.saved(tmp_path).words == tok.words
+    assert common.WordTokenizer.saved(tmp_path / "elsewhere") is None
+    # The flag chooses the tiny GLM's tokens; with --model (its own tokenizer) it is a one-line error.
+    err = fails_with_one_line("chatglm_ptuning.py", ["--model", str(tmp_path), "--tokenizer", "bytes"], monkeypatch,
+                              capsys)  # fmt: skip
+    assert (
+        err == "chatglm_ptuning.py: error: --tokenizer bytes: --model uses its own tokenizer; --tokenizer "
+        "chooses the tiny GLM's"
+    ), err
 
 
 if __name__ == "__main__":
