@@ -408,6 +408,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _deepspeed_importable() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:
     """Build the link, run every config, return the report; the link is gone when this returns."""
     import torch
@@ -419,7 +423,7 @@ def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix=f"ds_plugin_slow_link_{os.getpid()}_") as tmp:
             for i, config in enumerate(args.configs):
-                if config in DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+                if config in DEEPSPEED and not _deepspeed_importable():
                     configs[config] = {"skipped": "deepspeed is not importable (pip install deepspeed)"}
                     continue
                 load_before, drops_before = os.getloadavg()[0], qdisc_drops(link)
