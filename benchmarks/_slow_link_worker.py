@@ -29,14 +29,25 @@ from torch import nn
 
 from ds_plugin.runtime.host_memory import host_memory_reuse_state, reuse_freed_host_memory
 
-# Config name -> (ds_plugin preset, DeepSpeed keys merged over it); deepspeed_hpz runs DeepSpeed itself.
+# Config name -> (ds_plugin preset, DeepSpeed keys merged over it): ds_plugin's configs.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero3": ("zero3", {}),
     "zeropp": ("zeropp", {}),
     # hpZ alone: ZeRO++'s topology trick without quantization, to tell the two apart.
     "hpz": ("zero3", {"zero_optimization": {"zero_hpz_partition_size": "auto"}}),
 }
-CONFIGS = (*PRESETS, "deepspeed_hpz")
+# Config name -> `zero_optimization` keys over DeepSpeed's stage 3 (None: ranks per node): DeepSpeed's own engine,
+# the same three setups as ds_plugin's zero3 / hpz / zeropp.
+DEEPSPEED: dict[str, dict[str, Any]] = {
+    "deepspeed_zero3": {},
+    "deepspeed_hpz": {"zero_hpz_partition_size": None},
+    "deepspeed_zeropp": {
+        "zero_hpz_partition_size": None,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+    },
+}
+CONFIGS = (*PRESETS, *DEEPSPEED)
 
 
 class Block(nn.Module):
@@ -105,19 +116,29 @@ def _ds_plugin_engine(
     return engine, info
 
 
-def _deepspeed_engine(model: nn.Module, ranks_per_node: int, lr: float, batch: int) -> tuple[Any, dict[str, Any]]:
-    import deepspeed
-
-    ds_config = {
+def deepspeed_config(name: str, ranks_per_node: int, batch: int) -> dict[str, Any]:
+    """DeepSpeed's config for the DeepSpeed config `name` (its defaults otherwise, prefetch and overlap included)."""
+    zero = {k: ranks_per_node if v is None else v for k, v in DEEPSPEED[name].items()}
+    return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": ranks_per_node},
+        "zero_optimization": {"stage": 3, **zero},
         "zero_allow_untested_optimizer": True,
     }
+
+
+def _deepspeed_engine(
+    name: str, model: nn.Module, ranks_per_node: int, lr: float, batch: int
+) -> tuple[Any, dict[str, Any]]:
+    import deepspeed
+
+    ds_config = deepspeed_config(name, ranks_per_node, batch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    return engine, {"deepspeed": deepspeed.__version__, "hpz_partition_size": ranks_per_node}
+    zero = ds_config["zero_optimization"]
+    info = {"deepspeed": deepspeed.__version__, "hpz_partition_size": zero.get("zero_hpz_partition_size", 1)}
+    return engine, {**info, "deepspeed_zero_optimization": zero}
 
 
 def _tx_bytes(ifname: str) -> int:
@@ -135,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if reuse:  # for every config alike, DeepSpeed's included (ds_plugin's engine would also do it itself)
         reuse_freed_host_memory()
     timeout = timedelta(seconds=args.collective_timeout)
-    if args.config == "deepspeed_hpz":
+    if args.config in DEEPSPEED:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
@@ -146,8 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.batch, args.hidden, generator=gen)
     target = torch.randn(args.batch, args.hidden, generator=gen)
-    if args.config == "deepspeed_hpz":
-        engine, info = _deepspeed_engine(model, per_node, args.lr, args.batch)
+    if args.config in DEEPSPEED:
+        engine, info = _deepspeed_engine(args.config, model, per_node, args.lr, args.batch)
         x = x.to(torch.bfloat16)
     else:
         engine, info = _ds_plugin_engine(args.config, model, per_node, args.lr, reuse)

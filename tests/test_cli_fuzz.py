@@ -301,7 +301,10 @@ BENCH_FLAGS: dict[str, Spec] = {
         "--latency": (["100ms"], bad_tc),
         "--delay-ms": (["0", "0.5"], bad_float(0, 60_000)),
         "--timeout": (["600"], bad_float(0, WEEK, above=True)),
-        "--configs": (["zero3", "zeropp, hpz"], bad_list(("zero3", "zeropp", "hpz", "deepspeed_hpz"))),
+        "--configs": (
+            ["zero3", "zeropp, hpz"],
+            bad_list(("zero3", "zeropp", "hpz", "deepspeed_zero3", "deepspeed_hpz", "deepspeed_zeropp")),
+        ),
         "--host-memory-reuse": (["on"], bad_choice(("on", "off"))),
     },
     "zero-memory": {

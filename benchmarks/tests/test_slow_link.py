@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks import slow_link
-from benchmarks._slow_link_worker import MlpStack, floors, model_params, rate_bytes_per_s, summarize
+from benchmarks._slow_link_worker import (
+    CONFIGS,
+    MlpStack,
+    deepspeed_config,
+    floors,
+    model_params,
+    rate_bytes_per_s,
+    summarize,
+)
 from ds_plugin.cli import main as cli_main
 
 RUN_SLOW = os.environ.get("DS_PLUGIN_RUN_SLOW_BENCH") == "1"
@@ -27,7 +35,8 @@ _REPO = Path(slow_link.__file__).resolve().parents[1]
 
 def test_parse_args_defaults_and_configs():
     args = slow_link.parse_args([])
-    assert (args.rate, args.configs, args.json) == ("1gbit", ["zero3", "zeropp", "hpz", "deepspeed_hpz"], False)
+    ours, theirs = ["zero3", "zeropp", "hpz"], ["deepspeed_zero3", "deepspeed_hpz", "deepspeed_zeropp"]
+    assert (args.rate, args.configs, args.json) == ("1gbit", ours + theirs, False)
     args = slow_link.parse_args(["--json", "--configs", "zeropp, zero3", "--hidden", "64", "--delay-ms", "0.5"])
     assert (args.configs, args.hidden, args.delay_ms, args.json) == (["zeropp", "zero3"], 64, 0.5, True)
     for bad in (["--configs", "zero4"], ["--steps", "0"], ["--timeout", "0"], ["--warmup", "-1"]):
@@ -89,6 +98,143 @@ def test_rate_and_floors():
     entry["cpu_s_per_step_by_rank"] = [10.0] * 4
     assert floors(entry, "1gbit")["bound_by"] == "cpu"
     assert floors(entry, "10mbps")["link_floor_s"] is None
+
+
+def test_deepspeed_configs_match_ours():
+    base = {"stage": 3}
+    assert deepspeed_config("deepspeed_zero3", 2, 8)["zero_optimization"] == base
+    assert deepspeed_config("deepspeed_hpz", 2, 8)["zero_optimization"] == {**base, "zero_hpz_partition_size": 2}
+    zpp = deepspeed_config("deepspeed_zeropp", 2, 8)
+    assert zpp["zero_optimization"] == {
+        **base,
+        "zero_hpz_partition_size": 2,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+    }
+    assert zpp["bf16"] == {"enabled": True} and zpp["train_micro_batch_size_per_gpu"] == 8
+
+
+def test_compare_picks_the_fastest_zero3_whoever_runs_it():
+    configs = {
+        "zero3": {"step_s": 3.0},
+        "hpz": {"step_s": 2.8},
+        "zeropp": {"step_s": 0.75},
+        "deepspeed_zero3": {"step_s": 3.2},
+        "deepspeed_hpz": {"step_s": 2.4},
+        "deepspeed_zeropp": {"error": "exit codes [1, None, None, None]", "reason": "ValueError: no CPU op"},
+    }
+    out = slow_link.compare(configs)
+    assert out["fastest_zero3"] == {"config": "deepspeed_hpz", "step_s": 2.4}
+    assert out["zeropp_speedup_over_fastest_zero3"] == pytest.approx(3.2)
+    assert out["ours_zero3_vs_deepspeed_zero3"] == pytest.approx(3.0 / 3.2)
+    assert out["target_zeropp_over_fastest_zero3"] == 3.0
+    assert out["targets"] == {"zero3_at_most_deepspeed_zero3": True, "zeropp_3x_fastest_zero3": True}
+    # ZeRO++ never counts as a ZeRO-3, however fast; a slower ZeRO++ and a slower ZeRO-3 miss both bars.
+    configs.update(deepspeed_zeropp={"step_s": 0.1}, zeropp={"step_s": 1.0}, zero3={"step_s": 3.5})
+    out = slow_link.compare(configs)
+    assert out["fastest_zero3"]["config"] == "deepspeed_hpz"
+    assert out["targets"] == {"zero3_at_most_deepspeed_zero3": False, "zeropp_3x_fastest_zero3": False}
+    # Ours may be the fastest; a tie with DeepSpeed's ZeRO-3 meets the bar.
+    out = slow_link.compare({"zero3": {"step_s": 2.0}, "deepspeed_zero3": {"step_s": 2.0}, "zeropp": {"step_s": 0.5}})
+    assert out["fastest_zero3"] == {"config": "zero3", "step_s": 2.0}
+    assert out["ours_zero3_vs_deepspeed_zero3"] == 1.0 and out["zeropp_speedup_over_fastest_zero3"] == 4.0
+    assert out["targets"] == {"zero3_at_most_deepspeed_zero3": True, "zeropp_3x_fastest_zero3": True}
+
+
+def test_compare_without_the_times_it_needs():
+    out = slow_link.compare({"zero3": {"error": "x"}, "deepspeed_zero3": {"skipped": "no deepspeed"}})
+    assert out["fastest_zero3"] is None and out["zeropp_speedup_over_fastest_zero3"] is None
+    assert out["ours_zero3_vs_deepspeed_zero3"] is None
+    assert out["targets"] == {"zero3_at_most_deepspeed_zero3": None, "zeropp_3x_fastest_zero3": None}
+    out = slow_link.compare({"hpz": {"step_s": 2.0}})  # no ZeRO++: a fastest ZeRO-3 but no speedup
+    assert out["fastest_zero3"] == {"config": "hpz", "step_s": 2.0}
+    assert out["targets"]["zeropp_3x_fastest_zero3"] is None
+
+
+def test_error_reason_is_the_last_exception_line():
+    log = (
+        "[rank0]: Traceback (most recent call last):\n"
+        '[rank0]:   File "x.py", line 3, in <module>\n'
+        "[rank0]: RuntimeError: first\n"
+        "During handling of the above exception, another exception occurred:\n"
+        "[rank0]: ValueError: This op had not been implemented on CPU backend.\n"
+        "[rank0]:[W1130 gloo] some warning afterwards\n"
+    )
+    assert slow_link.error_reason(log) == "ValueError: This op had not been implemented on CPU backend."
+    assert slow_link.error_reason("torch.distributed.DistBackendError: Connection closed by peer") == (
+        "torch.distributed.DistBackendError: Connection closed by peer"
+    )
+    assert slow_link.error_reason("killed\n") is None and slow_link.error_reason("") is None
+
+
+def _fake_raw(config: str, step: float) -> dict:
+    return {
+        "config": config,
+        "step_times_by_rank": [[step] * 2 for _ in range(4)],
+        "cpu_times_by_rank": [[0.1] * 2 for _ in range(4)],
+        "cross_node_tx_bytes_by_node": [2_000_000, 2_000_000],
+        "losses": [1.0, 0.9, 0.8],
+    }
+
+
+def _fake_link_run(monkeypatch, run_config):
+    monkeypatch.setattr(slow_link, "build_link", lambda link: None)
+    monkeypatch.setattr(slow_link, "qdisc_drops", lambda link: [0, 0])
+    monkeypatch.setattr(slow_link, "_deepspeed_importable", lambda: True)
+    monkeypatch.setattr(slow_link, "run_config", run_config)
+
+
+def test_a_failing_deepspeed_config_records_its_reason_and_the_rest_run(monkeypatch, capsys):
+    steps = {"zero3": 2.0, "zeropp": 0.5, "hpz": 1.9, "deepspeed_zero3": 2.5, "deepspeed_hpz": 2.2}
+    ran: list[str] = []
+
+    def run_config(args, link, config, workdir, port):
+        ran.append(config)
+        if config == "deepspeed_zeropp":
+            return {"config": config, "error": "exit codes [1, 1, 1, 1]", "reason": "ValueError: no CPU op"}
+        return _fake_raw(config, steps[config])
+
+    _fake_link_run(monkeypatch, run_config)
+    assert slow_link.main(["--json", "--configs", ",".join(reversed(CONFIGS))]) == 0  # DeepSpeed's failure: exit 0
+    report = json.loads(capsys.readouterr().out)
+    assert ran == list(reversed(CONFIGS))
+    assert report["configs"]["deepspeed_zeropp"]["reason"] == "ValueError: no CPU op"
+    assert "step_s" not in report["configs"]["deepspeed_zeropp"]
+    assert report["zero3_step_s"] == 2.0 and report["speedup"] == 4.0 and report["meets_target"] is True
+    assert report["fastest_zero3"] == {"config": "hpz", "step_s": 1.9}
+    assert report["zeropp_speedup_over_fastest_zero3"] == pytest.approx(3.8)
+    assert report["ours_zero3_vs_deepspeed_zero3"] == pytest.approx(0.8)
+    assert report["targets"] == {"zero3_at_most_deepspeed_zero3": True, "zeropp_3x_fastest_zero3": True}
+    # Text mode names the reason and the targets; a failure of one of ours still fails the run.
+    steps["zero3"] = None
+
+    def ours_fail(args, link, config, workdir, port):
+        if steps.get(config) is None:
+            return {"config": config, "error": "exit codes [1]", "reason": "RuntimeError: boom"}
+        return _fake_raw(config, steps[config])
+
+    monkeypatch.setattr(slow_link, "run_config", ours_fail)
+    assert slow_link.main([]) == 1
+    text = capsys.readouterr().out
+    assert "ValueError" not in text and "RuntimeError: boom" in text and "zero3_at_most_deepspeed_zero3 None" in text
+
+
+def test_run_config_takes_the_reason_from_the_failing_rank(monkeypatch, tmp_path):
+    real_popen = subprocess.Popen
+    crash = "import sys; print('[rank1]: Traceback (most recent call last):'); sys.exit('[rank1]: ValueError: no op')"
+
+    def popen(cmd, env, **kwargs):  # drop `ip netns exec NS`; rank 1 fails, the others wait in a "collective"
+        code = crash if env["RANK"] == "1" else "import time; time.sleep(60)"
+        return real_popen([sys.executable, "-c", code], env=env, **kwargs)
+
+    monkeypatch.setattr(slow_link.subprocess, "Popen", popen)
+    args = slow_link.parse_args(["--timeout", "50"])
+    start = time.monotonic()
+    out = slow_link.run_config(args, slow_link.Link(tag=1), "deepspeed_zeropp", tmp_path, 0)
+    assert time.monotonic() - start < 40  # it did not wait for the timeout
+    assert out["config"] == "deepspeed_zeropp" and out["log_tail_rank"] == 1
+    assert out["reason"] == "ValueError: no op" and out["error"].startswith("exit codes")
+    assert slow_link._RESOURCES.procs == []
 
 
 def _skipped(capsys) -> str:
