@@ -130,9 +130,8 @@ def _optimizers(rank: int, world: int) -> dict:
 
 
 def _no_sync_fp16_bnb(rank: int, world: int) -> dict:
-    from ds_plugin.zero.setup import initialize
-
     from ds_plugin.zero import stage1
+    from ds_plugin.zero.setup import initialize
 
     out: dict = {}
     for stage in (0, 1, 2, 3):
@@ -241,7 +240,9 @@ def _prefetch(rank: int, world: int) -> dict:
             engine = initialize(gpt2(), cfg, make_optimizer("adamw"))
             units = [m for m in engine.module.modules() if isinstance(m, FSDPModule)]
             states = [u._get_fsdp_state() for u in units]
+            last_block = engine.module.transformer.h[-1]._get_fsdp_state()._fsdp_param_group
             lists = (
+                last_block.post_forward_mesh_info is None,  # kept gathered from forward to backward
                 sum(len(s._states_to_forward_prefetch) for s in states),
                 sum(len(s._states_to_backward_prefetch) for s in states),
                 all(g.unshard_async_op for u in units for g in u._get_fsdp_state()._fsdp_param_groups),
@@ -325,8 +326,10 @@ def test_no_sync_skips_communication_and_the_last_backward_reduces(two_ranks, st
 def test_prefetch_budget_gathers_ahead_and_changes_no_number(two_ranks, stage):
     _, results = two_ranks
     for r in results:
-        same, (fwd0, bwd0, async0), (fwd1, bwd1, async1), units = r["prefetch", stage]
+        same, (kept0, fwd0, bwd0, async0), (kept1, fwd1, bwd1, async1), units = r["prefetch", stage]
         assert same
+        # Stage 3 keeps the last block gathered into backward when it fits the budget (stage 2 keeps every block).
+        assert (kept0, kept1) == ((False, True) if stage == 3 else (True, True))
         # Budget 0: nothing ahead; on a CPU each unit's backward list names only itself (FSDP2's implicit
         # prefetch off), and gathers stay synchronous.
         assert fwd0 == 0 and not async0 and bwd0 == (units if stage == 3 else 0)
