@@ -36,7 +36,8 @@ TIMEOUT_ENV = "DS_PLUGIN_TIMEOUT"
 # Narrow on purpose: a size mismatch or an invalid argument reported by the same backends is a bug, and must keep
 # its own message and traceback.
 _PEER_FAILURE = re.compile(
-    r"Connection (reset|closed) by peer|Timed out waiting|Broken pipe|(Read|Write) error \[|Socket Timeout|"
+    r"Connection (reset|closed) by peer|Timed out waiting|Application timeout caused pair closure|Broken pipe|"
+    r"(Read|Write) error \[|Socket Timeout|"
     r"collective operation timeout|communicator was aborted|remote process exited|network error",
     re.IGNORECASE,
 )

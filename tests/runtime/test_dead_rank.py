@@ -32,7 +32,9 @@ TIMEOUT_S = {"kill": 600, "stop": 20}
 # The first line of gloo's error, inside the message's parentheses: a broken socket (the killed rank's, or a survivor's
 # that gave up before this one) or, with a frozen peer, the timeout.
 BROKEN = r"(Read error \[[^]]+\]:\d+: Connection reset by peer|Connection closed by peer \[[^]]+\]:\d+)"
-TIMED_OUT = r"Timed out waiting \d+ms for (send|recv) operation to complete"
+# gloo words a timeout by collective: a reduce-scatter's wait "Timed out waiting ...", an all-reduce's (stages 2/3
+# reduce-scatter through one on gloo) "Application timeout caused pair closure".
+TIMED_OUT = r"(Timed out waiting \d+ms for (send|recv) operation to complete|Application timeout caused pair closure)"
 CAUSE = {"kill": BROKEN, "stop": f"({TIMED_OUT}|{BROKEN})"}
 
 
