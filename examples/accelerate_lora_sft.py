@@ -106,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=5e-3, help="5e-3: 3e-3 reached 0.73 held-out exact match here")
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per process per step")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--frozen-format", default="int4", choices=["int8", "int4", "nf4"])
