@@ -56,7 +56,9 @@ def test_engine_warns_once_for_bf16_on_a_cpu_without_units(monkeypatch, caplog):
             assert not [r for r in caplog.records if "bf16 units" in r.getMessage()]
             monkeypatch.setattr(cpu_bf16, "cpu_bf16_units", lambda: (False, "avx2 only, no bf16 units"))
             for stage in (0, 3):  # every setup path; one warning per process
-                ds_plugin.initialize(nn.Linear(8, 8), {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+                ds_plugin.initialize(
+                    nn.Linear(8, 8), {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}}
+                )
             ds_plugin.initialize(nn.Linear(8, 8), {"zero_optimization": {"stage": 0}})  # fp32: nothing to say
     finally:
         dist.destroy_process_group()

@@ -249,8 +249,8 @@ def test_lora_on_a_quantized_base_at_zero3_matches_one_process(spawned, world, f
     ref_model = _single_process_model(fmt)
     for name, q in quantized_weights(ref_model).items():
         assert torch.equal(exported[name], q.dequantize()), name
-    # The adapter (modules_to_save's head included, where it is trained) saved whole: on a fresh base stored the same way it
-    # reproduces what the trained ZeRO-3 model computes.
+    # The adapter (modules_to_save's head included, where it is trained) saved whole: on a fresh base stored the
+    # same way it reproduces what the trained ZeRO-3 model computes.
     torch.testing.assert_close(_reloaded_logits(fmt, adapter), r0["logits"], rtol=0, atol=1e-5)
 
 

@@ -87,8 +87,8 @@ _NF4_ZERO_CODE = 7
 # Elements per pass. On a CPU a pass's fp32 temporaries should stay in the core's L2 cache (1-2 MB): 64K elements
 # (256 KB each; the INT4 search reuses four such buffers across its candidates; measured best of 16K..256K).
 # Elements per block, whose per-group steps run as one op each: 1M (its per-group values, 1/64 as many, stay in
-# the cache). Codes are packed (integer ops on 8-byte words), and unpacked to a dequantized weight, 256K at a time. An accelerator wants large passes
-# instead (each op is a kernel launch); those sizes bound its temporaries to ~2 GB.
+# the cache). Codes are packed (integer ops on 8-byte words), and unpacked to a dequantized weight, 256K at a time.
+# An accelerator wants large passes instead (each op is a kernel launch); those sizes bound its temporaries to ~2 GB.
 _CHUNK_ELEMENTS = {"cpu": 1 << 16, "device": 1 << 26}
 _BLOCK_ELEMENTS = {"cpu": 1 << 20, "device": 1 << 26}
 _PACK_ELEMENTS = {"cpu": 1 << 18, "device": 1 << 26}
