@@ -1,4 +1,5 @@
-"""Hostile command lines and input files for every `ds-plugin` subcommand and benchmark.
+"""Hostile command lines and input files for every benchmark, `estimate` and `check-config` (`export`, `env` and
+the hand-written cases: test_cli_errors.py; shared pieces: _cli_fuzz_common.py).
 
 Whatever the input, a mistake ends in exit code 2 and exactly one line on stderr that says `error` and names the
 flag, argument, file or config key at fault; never a traceback. Only inputs that must fail are generated, and
@@ -8,194 +9,30 @@ the test instead of starting minutes of work.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import math
-import os
-import re
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
+from _cli_fuzz_common import (
+    CHAOS,
+    FAST,
+    _ms_ok,
+    _shapes_ok,
+    _unknown_flag,
+    assert_one_line_error,
+    bad_choice,
+    bad_float,
+    bad_int,
+    bad_list,
+    bad_output,
+    bad_output_dir,
+    bad_tc,
+    files_fixture,  # noqa: F401  (the `files` fixture: pytest finds it here)
+    junk,
+    no_runs_fixture,  # noqa: F401  (autouse in this module: no benchmark starts)
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_plugin.cli import BENCHMARKS, load_benchmark, main
+from ds_plugin.cli import BENCHMARKS
 from ds_plugin.presets import PRESETS
-
-MAX = 2**31 - 1
-FAST = settings(max_examples=40, deadline=None)
-CHAOS = settings(max_examples=25, deadline=None)
-
-# The function each benchmark's `main` calls to do the work.
-WORK = {
-    "big-model": "run",
-    "comm": "run",
-    "fp8": "benchmark",
-    "generate": "run",
-    "kernels": "benchmark",
-    "kernel-resources": "report",
-    "lora-memory": "run",
-    "peers": "run",
-    "quantize": "benchmark",
-    "slow-link": "benchmark",
-    "zero-memory": "run",
-}
-
-
-def _would_have_run(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("would have run the benchmark: the generated command line was valid")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_benchmark_runs() -> Iterator[None]:
-    # The harnesses come from the checkout's benchmarks/ package, as `ds-plugin bench` imports them.
-    with pytest.MonkeyPatch.context() as mp:
-        for name, func in WORK.items():
-            mp.setattr(load_benchmark(name), func, _would_have_run)
-        yield
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Short paths (so messages quote them whole) to hostile inputs; the tests run inside their folder."""
-    root = tmp_path_factory.mktemp("fuzz")
-    (root / "dir").mkdir()
-    (root / "empty_ckpt").mkdir()
-    (root / "bad_ckpt").mkdir()
-    (root / "bad_ckpt" / "ds_plugin_checkpoint.json").write_text('{"format": "other"}')
-    contents: dict[str, str | bytes] = {
-        "ok.json": '{"zero_optimization": {"stage": 2}}',
-        "hf.json": json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10}),
-        "text.json": "this is not JSON",
-        "binary.json": b"\xff\xfe\x00garbage",
-        "list.json": "[1, 2]",
-        "deep.json": "[" * 50_000 + "]" * 50_000,
-        "bad.yaml": "zero_optimization:\n  stage: [1\n",
-        "stage7.json": '{"zero_optimization": {"stage": 7}}',
-        "typo.json": '{"zero_optimization": {"stagee": 2}}',
-        "hf_empty.json": "{}",
-        "hf_str.json": '{"hidden_size": "64", "num_hidden_layers": 2, "vocab_size": 10}',
-        "hf_zero_heads.json": '{"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 0}',
-        "hf_huge.json": '{"hidden_size": 1' + "0" * 400 + ', "num_hidden_layers": 2, "vocab_size": 10}',
-        "plain_file": "x",
-    }
-    for name, data in contents.items():
-        path = root / name
-        path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
-    with contextlib.chdir(root):  # random relative names then name nothing that exists
-        yield {name: name for name in [*contents, "dir", "empty_ckpt", "bad_ckpt"]}
-
-
-def run_cli(argv: list[str]) -> tuple[Any, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(argv: list[str], *names: str) -> str:
-    """Run `argv`; it must fail with exit code 2 and one `error` line on stderr naming each of `names`."""
-    code, out, err = run_cli(argv)
-    assert code == 2, (argv, code, out, err)
-    assert "Traceback" not in err and out == "", (argv, out, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and err.endswith("\n") and lines[0].strip(), (argv, err)
-    assert lines[0].startswith("ds-plugin") and ": error: " in lines[0], (argv, err)
-    for name in names:
-        assert name in lines[0], (argv, name, err)
-    return lines[0]
-
-
-# -- what is invalid, decided without the code under test ------------------------------------------------------
-def _int_ok(text: str, lo: int, hi: int) -> bool:
-    try:
-        return lo <= int(text) <= hi
-    except ValueError:
-        return False
-
-
-def _float_ok(text: str, lo: float, hi: float, above: bool) -> bool:
-    try:
-        value = float(text)
-    except ValueError:
-        return False
-    return math.isfinite(value) and (value > lo if above else value >= lo) and value <= hi
-
-
-def _list_ok(text: str, choices: tuple[str, ...]) -> bool:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    return bool(names) and all(n in choices for n in names)
-
-
-def _shapes_ok(text: str) -> bool:
-    items = [s.strip().lower() for s in text.split(",") if s.strip()]
-    for item in items:
-        m = re.fullmatch(r"\s*([0-9]+)\s*x\s*([0-9]+)\s*", item)
-        if not m or not (_int_ok(m[1], 1, MAX) and _int_ok(m[2], 128, MAX) and int(m[2]) % 128 == 0):
-            return False
-    return bool(items)
-
-
-def _ms_ok(text: str) -> bool:
-    items = [s for s in text.split(",") if s.strip()]
-    return bool(items) and all(_int_ok(s, 1, MAX) for s in items)
-
-
-def _is_help(token: str) -> bool:
-    return token.startswith("-h") or token.startswith("--h")
-
-
-# Any text but NUL (a real command line cannot carry it) and help requests (which exit 0 by design).
-junk = st.text(st.characters(blacklist_characters="\x00"), max_size=12).filter(lambda t: not _is_help(t))
-JUNK_NUMBERS = ["", " ", "1.5", "1e3", "nan", "NaN", "inf", "-inf", "1e999", "0x10", "ten", "1,000", "9" * 5000]
-
-
-def bad_int(lo: int = 1, hi: int = MAX) -> st.SearchStrategy[str]:
-    return st.one_of(
-        st.integers(max_value=lo - 1).map(str),
-        st.integers(min_value=hi + 1, max_value=10**60).map(str),
-        st.sampled_from(JUNK_NUMBERS),
-        st.floats().map(repr),
-        junk,
-    ).filter(lambda s: not _int_ok(s, lo, hi))
-
-
-def bad_float(lo: float, hi: float, above: bool = False) -> st.SearchStrategy[str]:
-    return st.one_of(
-        st.floats(max_value=lo).map(repr),
-        st.floats(min_value=hi).map(repr),
-        st.sampled_from(JUNK_NUMBERS),
-        junk,
-    ).filter(lambda s: not _float_ok(s, lo, hi, above))
-
-
-def bad_choice(choices: tuple[str, ...]) -> st.SearchStrategy[str]:
-    return st.one_of(st.sampled_from([c.upper() for c in choices] + ["", " "]), junk).filter(lambda s: s not in choices)
-
-
-def bad_list(choices: tuple[str, ...]) -> st.SearchStrategy[str]:
-    spoiled = st.lists(st.sampled_from(choices), max_size=3).flatmap(
-        lambda names: junk.map(lambda j: ",".join([*names, j]))
-    )
-    return st.one_of(spoiled, st.sampled_from([",", " , ", ""]), junk).filter(lambda s: not _list_ok(s, choices))
-
-
-BAD_OUTPUTS = ["", "dir", "plain_file/report.json", "plain_file/sub/report.json"]
-bad_output = st.sampled_from(BAD_OUTPUTS)
-bad_output_dir = st.sampled_from(["", "plain_file", "plain_file/sub"])
-bad_tc = st.one_of(
-    st.sampled_from(["", "0bit", "0", "1..2gbit", "-5mbit", "fast", "1 gigabit", "nan", "1e3ms", "10 parsecs"]),
-    junk.filter(lambda s: not re.fullmatch(r"[0-9.]*[a-z]*", s.strip().lower())),
-)
-
 
 # -- every flag of every command: (valid base values, invalid values) ------------------------------------------
 Spec = dict[str, tuple[list[str], st.SearchStrategy[str]]]
@@ -349,12 +186,6 @@ ESTIMATE_FLAGS: Spec = {
 CHECK_CONFIG_FLAGS: Spec = {"--world-size": (["8"], bad_int()), "--ranks-per-node": (["8"], bad_int())}
 
 
-def _unknown_flag(known: list[str]) -> st.SearchStrategy[str]:
-    # Not a prefix of a real flag: argparse takes unambiguous abbreviations (`--st` for `--steps`).
-    names = st.from_regex(r"--[a-z][a-z0-9-]{0,10}", fullmatch=True)
-    return names.filter(lambda f: not _is_help(f) and not any(k.startswith(f) for k in known))
-
-
 @st.composite
 def faulty(
     draw: st.DrawFn, flags: Spec, switches: list[str], base: list[str], other_flags: tuple[str, ...] = ()
@@ -472,145 +303,3 @@ def test_check_config_bad_files_are_one_line(source: str, extra: list[str], file
     line = assert_one_line_error(["check-config", source, *extra])
     if source in BAD_CONFIGS and source != "list.json":  # that one names the root key: `config: expected ...`
         assert source in line
-
-
-@FAST
-@given(data=st.data())
-def test_export_faults_are_one_line(data: st.DataObject, files: dict[str, str]) -> None:
-    ckpt = data.draw(st.one_of(st.sampled_from(["missing", "dir", "empty_ckpt", "bad_ckpt", "plain_file"]), junk))
-    out = data.draw(st.sampled_from(["out", "new/out"]))
-    choice = data.draw(st.sampled_from(["ckpt", "out_dir", "dtype", "missing", "extra", "unknown"]))
-    if ckpt.startswith("-"):
-        ckpt = f"./{ckpt}"
-    if choice == "ckpt":  # the checkpoint itself is the fault
-        assert_one_line_error(["export", ckpt, out, *data.draw(st.sampled_from([[], ["--dtype", "bf16"]]))])
-    elif choice == "out_dir":
-        assert_one_line_error(["export", "empty_ckpt", data.draw(bad_output_dir)], "out_dir")
-    elif choice == "dtype":
-        dtype = data.draw(bad_choice(("fp32", "bf16", "fp16")))
-        assert_one_line_error(["export", ckpt, out, "--dtype", dtype], "--dtype")
-    elif choice == "missing":
-        assert_one_line_error(["export", *data.draw(st.sampled_from([[], [ckpt]]))], "out_dir")
-    elif choice == "extra":
-        assert_one_line_error(["export", ckpt, out, "surplus"], "surplus")
-    else:
-        flag = data.draw(_unknown_flag(["--dtype"]))
-        assert_one_line_error(["export", ckpt, out, flag], flag)
-
-
-@settings(max_examples=30, deadline=None)
-@given(argv=st.one_of(_unknown_flag(["--json"]).map(lambda f: [f]), st.lists(junk, min_size=1, max_size=3)))
-def test_env_faults_are_one_line(argv: list[str]) -> None:
-    if all(t == "--" or (len(t) > 2 and "--json".startswith(t)) for t in argv):  # `env --js` would be valid
-        argv = [*argv, "--zz-not-a-flag"]
-    assert_one_line_error(["env", *argv])
-
-
-# -- explicit cases: the message names the flag or the dotted key ----------------------------------------------
-EXPLICIT = [
-    (["estimate", "--world-size", "-3", "--params", "1e9"], ["--world-size"]),
-    (["estimate", "--params", "nan", "--world-size", "8"], ["--params", "finite"]),
-    (["estimate", "--params", "1e308", "--world-size", "8"], ["--params"]),
-    (["estimate", "--params", "1e9"], ["--world-size"]),
-    (["estimate", "--params", "1e9", "--world-size", "8", "--nodes", "3"], ["--nodes"]),
-    (["estimate", "--params", "1e9", "--world-size", "8", "--frozen-format", "int3"], ["--frozen-format"]),
-    (["estimate", "--model-config", "missing.json", "--world-size", "8"], ["--model-config"]),
-    (["estimate", "--model-config", "hf_empty.json", "--world-size", "8"], ["--model-config", "hidden_size"]),
-    (["estimate", "--model-config", "hf_str.json", "--world-size", "8"], ["hidden_size"]),
-    (["estimate", "--model-config", "hf_zero_heads.json", "--world-size", "8"], ["num_attention_heads"]),
-    (["estimate", "--model-config", "hf_huge.json", "--world-size", "8"], ["hidden_size"]),
-    (["estimate", "--model-config", "list.json", "--world-size", "8"], ["--model-config", "list"]),
-    (["estimate", "--model-config", "binary.json", "--world-size", "8"], ["--model-config"]),
-    (["estimate", "--model-config", "deep.json", "--world-size", "8"], ["--model-config"]),
-    (["estimate", "--params", "1e9", "--model-config", "hf.json", "--world-size", "8"], ["--params", "--model-config"]),
-    (["estimate", "--world-size", "2", "--bogus"], ["estimate", "--bogus"]),
-    (["check-config", "stage7.json"], ["zero_optimization.stage"]),
-    (["check-config", "typo.json"], ["zero_optimization.stagee"]),
-    (["check-config", "deep.json"], ["deep.json"]),
-    (["check-config", "binary.json"], ["binary.json"]),
-    (["check-config", "bad.yaml"], ["bad.yaml"]),
-    (["check-config", "ok.json", "--world-size", "0"], ["--world-size"]),
-    (["check-config"], ["file"]),
-    (["export", "plain_file", "out"], ["plain_file", "not a directory"]),
-    (["export", "empty_ckpt", "out"], ["empty_ckpt", "not a ds_plugin checkpoint"]),
-    (["export", "bad_ckpt", "out"], ["bad_ckpt"]),
-    (["export", "empty_ckpt", "plain_file"], ["out_dir"]),
-    (["export", "empty_ckpt", "out", "--dtype", "int3"], ["--dtype"]),
-    (["env", "--json=1"], ["--json"]),
-    (["bench"], ["name"]),
-    (["bench", "nope"], ["nope"]),
-    (["--bogus"], ["--bogus"]),
-    ([], ["COMMAND"]),
-    (["bench", "comm", "--steps", "0"], ["bench comm", "--steps"]),
-    (["bench", "comm", "--n-embd", "6"], ["--n-embd"]),
-    (["bench", "fp8", "--recipes", "nope"], ["--recipes", "nope"]),
-    (["bench", "kernels", "--shapes", "8192x100"], ["--shapes"]),
-    (["bench", "kernels", "--m", "0"], ["--m"]),
-    (["bench", "kernels", "--out-dir", "plain_file"], ["--out-dir"]),
-    (["bench", "lora-memory", "--steps", "1"], ["--steps"]),
-    (["bench", "lora-memory", "--hidden", "130"], ["--hidden"]),
-    (["bench", "lora-memory", "--world-size", "100000"], ["--world-size"]),
-    (["bench", "peers", "--timeout", "nan"], ["--timeout"]),
-    (["bench", "peers", "--out", "plain_file/x.json"], ["--out", "plain_file"]),
-    (["bench", "slow-link", "--timeout", "inf"], ["--timeout"]),
-    (["bench", "slow-link", "--rate", "1..2gbit"], ["--rate"]),
-    (["bench", "slow-link", "--delay-ms", "-1"], ["--delay-ms"]),
-    (["bench", "zero-memory", "--steps", "1"], ["--steps"]),
-    (["bench", "zero-memory", "--png", "dir"], ["--png"]),
-    (["bench", "zero-memory", "--world-size", "0"], ["--world-size"]),
-    # A newline in a value is echoed escaped, keeping the message on one line.
-    (
-        ["estimate", "--model-config", "hf.json", "--world-size", "8", "--lora-rank", "4", "--lora-targets", "a\nb"],
-        ["a\\nb"],
-    ),
-]
-
-
-@pytest.mark.parametrize(("argv", "names"), EXPLICIT, ids=[" ".join(a)[:60] for a, _ in EXPLICIT])
-def test_explicit_errors_name_the_culprit(argv: list[str], names: list[str], files: dict[str, str]) -> None:
-    assert_one_line_error(argv, *names)
-
-
-@pytest.mark.parametrize("argv", [["--help"], ["estimate", "--help"], ["bench", "comm", "--help"], ["bench", "-h"]])
-def test_help_still_exits_0(argv: list[str]) -> None:
-    code, out, err = run_cli(argv)
-    assert code == 0 and out.startswith("usage: ds-plugin") and err == ""
-
-
-def test_export_writes_and_reports_a_full_disk_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    torch = pytest.importorskip("torch")
-    import safetensors.torch
-
-    from ds_plugin.checkpoint import save_checkpoint
-
-    ckpt = str(save_checkpoint(tmp_path / "ck", model_state={"w": torch.ones(4)}))
-    code, out, err = run_cli(["export", ckpt, str(tmp_path / "new" / "out")])
-    assert (code, err) == (0, "") and out.startswith("exported 1 tensors (4 parameters)")
-
-    def full_disk(*args: Any, **kwargs: Any) -> None:
-        raise OSError(28, "No space left on device", str(tmp_path / "full" / "model.safetensors"))
-
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    line = assert_one_line_error(["export", ckpt, str(tmp_path / "full")], "No space left on device")
-    assert line.startswith("ds-plugin export: error: ") and "model.safetensors" in line
-
-
-def test_export_marker_with_a_files_list(tmp_path: Path) -> None:
-    (tmp_path / "ds_plugin_checkpoint.json").write_text('{"format": "ds_plugin.dcp", "version": 1, "files": [1]}')
-    assert_one_line_error(["export", str(tmp_path), str(tmp_path / "out")], str(tmp_path))
-
-
-def _console() -> list[str]:
-    script = Path(sys.executable).parent / "ds-plugin"  # the installed console script, else the module
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "ds_plugin.cli"]
-
-
-@pytest.mark.parametrize("command", [_console(), [sys.executable, "-m", "ds_plugin.cli"]], ids=["script", "module"])
-def test_real_process_exit_code_and_stderr(command: list[str]) -> None:
-    done = subprocess.run(
-        [*command, "estimate", "--world-size", "-3"], capture_output=True, text=True, timeout=120, env=dict(os.environ)
-    )
-    assert done.returncode == 2, done
-    assert done.stdout == "" and "Traceback" not in done.stderr
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("ds-plugin estimate: error: ")
-    assert "--world-size" in done.stderr
