@@ -228,7 +228,7 @@ def _block_reshard(block: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) ->
     # traffic of a 2-block model. Only when the block fits the prefetch budget, which says how much may be
     # gathered ahead of use; a 7B Llama layer does not, so big models keep their peak.
     if plan.reshard_after_forward is True and blocks and block is blocks[-1]:
-        return sum(p.numel() for p in block.parameters()) > plan.prefetch_numel
+        return _numel(block) > plan.prefetch_numel
     return plan.reshard_after_forward
 
 
@@ -240,11 +240,15 @@ def _gloo_reduce_scatter(model: nn.Module) -> None:
             module.set_custom_reduce_scatter(comm)
 
 
-def _ahead(units: list[nn.Module], numel: int) -> list[nn.Module]:
-    # The leading units of `units` whose parameters add up to at most `numel` elements.
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _ahead(units: list[nn.Module], sizes: dict[nn.Module, int], numel: int) -> list[nn.Module]:
+    # The leading units of `units` whose parameters (`sizes`) add up to at most `numel` elements.
     out, total = [], 0
     for unit in units:
-        total += sum(p.numel() for p in unit.parameters())
+        total += sizes[unit]
         if total > numel:
             break
         out.append(unit)
@@ -273,13 +277,15 @@ def _set_prefetch(
         mesh: the data-parallel mesh.
     """
     cpu = mesh.device_type == "cpu"
-    budget = plan.prefetch_numel
-    forward = {model: _ahead(units, budget)} | {u: _ahead(units[i + 1 :], budget) for i, u in enumerate(units)}
+    budget, sizes = plan.prefetch_numel, {u: _numel(u) for u in units}
+    forward = {model: _ahead(units, sizes, budget)}
+    forward |= {u: _ahead(units[i + 1 :], sizes, budget) for i, u in enumerate(units)}
     backward: dict[nn.Module, list[nn.Module]] = {}
     if plan.reshard_after_forward is not False:
         # Backward runs the units in reverse; a frozen embedding that skips its backward gather is never fetched.
         order = [u for u in reversed(units) if u not in no_backward_gather]
-        backward = {model: _ahead(order, budget)} | {u: _ahead(order[i + 1 :], budget) for i, u in enumerate(order)}
+        backward = {model: _ahead(order, sizes, budget)}
+        backward |= {u: _ahead(order[i + 1 :], sizes, budget) for i, u in enumerate(order)}
     prefetching = any(forward.values()) or any(backward.values())
     for unit in (model, *units):
         if cpu and prefetching:
