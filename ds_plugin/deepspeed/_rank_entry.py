@@ -2,7 +2,9 @@
 
 torchrun starts `python -m ds_plugin.deepspeed._rank_entry [--no-local-rank] [--module] script args...` per rank;
 this puts `--local_rank=$LOCAL_RANK` right after the script name (where DeepSpeed's launcher puts it) and runs the
-script as `__main__`.
+script as `__main__`. DeepSpeed-style scripts never destroy their process group; when the script returns normally with
+one still open, the ranks meet at a barrier and destroy it here, so no rank tears its gloo connections down while a
+peer is still using them (a rank that exits first can make the last one abort at interpreter shutdown).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+
+import torch.distributed as dist
 
 
 def main(argv: list[str]) -> None:
@@ -33,6 +37,14 @@ def main(argv: list[str]) -> None:
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Barrier and destroy the default process group if the script left one open."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
