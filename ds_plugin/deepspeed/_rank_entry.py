@@ -3,8 +3,7 @@
 torchrun starts `python -m ds_plugin.deepspeed._rank_entry [--no-local-rank] [--module] script args...` per rank;
 this puts `--local_rank=$LOCAL_RANK` right after the script name (where DeepSpeed's launcher puts it) and runs the
 script as `__main__`. DeepSpeed-style scripts never destroy their process group; when the script returns normally with
-one still open, the ranks meet at a barrier and destroy it here, so no rank tears its gloo connections down while a
-peer is still using them (a rank that exits first can make the last one abort at interpreter shutdown).
+one still open, the ranks meet at a barrier and destroy it here, so every rank leaves the job together.
 """
 
 from __future__ import annotations

@@ -13,20 +13,35 @@ backward, step and checkpoint calls that surfaces as `RankFailureError`: the ste
 first line, and how to resume, instead of a traceback from inside FSDP2's hooks. The process then exits as on any
 error; nothing waits on the dead rank. (Tested on gloo. NCCL may notice neither before the timeout, when torch's
 watchdog, at `TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default, takes the process down itself: no Python error to translate.)
+
+A rank that finished must not die at exit either: gloo's worker threads release a finished collective's tensors a
+moment after the caller has gone on, and that needs the GIL; a thread that asks for it once the interpreter has
+begun shutting down is killed mid-destructor, and the process aborts ("terminate called without an active
+exception", exit status -6; seen after a checkpoint's last broadcast in about one run in three). `settle_at_exit`
+(called when a ZeRO mesh is built on gloo) registers an exit handler that lets go of the GIL for a moment first.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "RankFailureError", "default_timeout", "init_distributed", "peer_failure_guard"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "RankFailureError",
+    "default_timeout",
+    "init_distributed",
+    "peer_failure_guard",
+    "settle_at_exit",
+]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 TIMEOUT_ENV = "DS_PLUGIN_TIMEOUT"
@@ -94,6 +109,18 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+
+
+_SETTLE_SECONDS = 0.1
+_settling = False
+
+
+def settle_at_exit() -> None:
+    """Once per process: at exit, sleep briefly (GIL released) so gloo's threads finish with their tensors."""
+    global _settling
+    if not _settling:
+        _settling = True
+        atexit.register(time.sleep, _SETTLE_SECONDS)
 
 
 def is_peer_failure(exc: BaseException) -> bool:

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ds_plugin.runtime.faults import settle_at_exit
+
 __all__ = [
     "ZeroSetupError",
     "data_parallel_mesh",
@@ -53,6 +55,8 @@ def data_parallel_mesh(mesh: DeviceMesh | None = None) -> DeviceMesh:
     Raises:
         ZeroSetupError: torch.distributed is not initialized, or the mesh is not 1-D.
     """
+    if dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()):
+        settle_at_exit()  # gloo's worker threads can abort a finished process at exit otherwise
     if mesh is not None:
         if mesh.ndim != 1:
             raise ZeroSetupError(
