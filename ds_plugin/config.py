@@ -153,7 +153,8 @@ class ZeroConfig:
         None,
         doc="overlap reduction with backward (null: DeepSpeed's default)",
         ignored="not a switch here: gradients are always reduced during backward (stages 0/1: a bucket as soon as "
-        "its last gradient is ready; stages 2/3: each FSDP2 block as its backward ends, on a GPU on its own stream)",
+        "its last gradient is ready; stages 2/3: each FSDP2 block as its backward ends, landing while the next block's "
+        "backward runs: on a GPU on FSDP2's own stream, on gloo asynchronously)",
     )
     reduce_bucket_size: int | Auto = option(
         500_000_000,

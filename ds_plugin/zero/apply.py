@@ -33,7 +33,7 @@ from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device,
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
 from ds_plugin.zero.wrap import BlockTypes, find_blocks
-from ds_plugin.zero.zeropp import AllReduceScatter, install_zeropp
+from ds_plugin.zero.zeropp import AllReduceScatter, InFlightReductions, install_zeropp
 
 __all__ = ["apply_plan", "apply_zero", "broadcast_module_states", "is_zero_applied", "mixed_precision_policy"]
 
@@ -233,11 +233,16 @@ def _block_reshard(block: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) ->
 
 
 def _gloo_reduce_scatter(model: nn.Module) -> None:
-    # Every unit reduce-scatters its gradients through an all-reduce (faster on gloo: see `AllReduceScatter`).
-    comm = AllReduceScatter()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(comm)
+    # Every unit reduce-scatters its gradients through an all-reduce (faster on gloo: see `AllReduceScatter`) that
+    # lands while the next unit's backward runs (FSDP2 issues it synchronously on CPU).
+    in_flight = InFlightReductions()
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    owner: dict[int, tuple[nn.Module, nn.Parameter]] = {}
+    for unit in units:  # outer units come first, so a parameter ends with the innermost unit holding it
+        owner.update({id(p): (unit, p) for p in unit.parameters()})
+    for unit in units:
+        own = [p for u, p in owner.values() if u is unit]
+        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight))
 
 
 def _numel(module: nn.Module) -> int:

@@ -245,13 +245,69 @@ def _prefetch(rank: int, world: int) -> dict:
                 last_block.post_forward_mesh_info is None,  # kept gathered from forward to backward
                 sum(len(s._states_to_forward_prefetch) for s in states),
                 sum(len(s._states_to_backward_prefetch) for s in states),
-                all(g.unshard_async_op for u in units for g in u._get_fsdp_state()._fsdp_param_groups),
+                all(g.unshard_async_op for u in units for g in _param_groups(u)),
             )
             runs[budget] = (train_engine(engine, rank, world, 3)["loss"], full_params(engine.module), lists)
         (loss0, params0, lists0), (loss1, params1, lists1) = runs[0], runs[50_000_000]
         same = loss0 == loss1 and all(torch.equal(params0[k], params1[k]) for k in params0)
         out["prefetch", stage] = (same, lists0, lists1, len(units))
     return out
+
+
+def _overlap(rank: int, world: int) -> dict:
+    # Stages 2/3 on gloo: each unit's gradient reduction lands while the next unit's backward runs. Against the same
+    # runs with every reduction landed at once: equal losses and weights (fp32; bf16, whose reduced chunk FSDP2
+    # casts to the fp32 master's dtype; and a second backward in one step, whose gradients accumulate).
+    from ds_plugin.zero import zeropp
+    from ds_plugin.zero.setup import initialize
+
+    real_add, seen = zeropp.InFlightReductions.add, {"adds": 0, "early": 0, "left": 0}
+
+    def counting_add(self, land):
+        seen["adds"] += 1
+        seen["early"] += len(self._pending) >= self.depth  # the previous unit's reduction lands here
+        real_add(self, land)
+
+    def run(stage: str, dtype: str, backwards: int, *, overlap: bool) -> tuple:
+        engine = initialize(gpt2(), zero_config(stage, dtype=dtype), make_optimizer("adamw"))
+        comms = _reduce_scatters(engine.module)
+        for comm in comms if not overlap else ():
+            comm._in_flight = None  # every reduction lands before FSDP2 goes on
+        losses, x = [], batch(0, rank, world)  # one batch, so the loss must fall
+        for _ in range(3):
+            for _ in range(backwards):
+                loss = engine(input_ids=x, labels=x).loss
+                engine.backward(loss)
+                seen["left"] += sum(len(c._in_flight._pending) for c in comms if c._in_flight is not None)
+            engine.step()
+            losses.append(loss.item())
+        return losses, full_params(engine.module)
+
+    out: dict = {}
+    for stage, dtype, backwards in ((2, "fp32", 1), (3, "fp32", 1), (2, "bf16", 1), (3, "bf16", 1), (3, "fp32", 2)):
+        zeropp.InFlightReductions.add = counting_add
+        seen.update(adds=0, early=0, left=0)
+        try:
+            (loss_a, params_a), counts = run(stage, dtype, backwards, overlap=True), dict(seen)
+        finally:
+            zeropp.InFlightReductions.add = real_add
+        loss_b, params_b = run(stage, dtype, backwards, overlap=False)
+        same = loss_a == loss_b and all(torch.equal(params_a[k], params_b[k]) for k in params_a)
+        out["overlap", stage, dtype, backwards] = (same, counts, loss_a)
+    return out
+
+
+def _param_groups(unit) -> list:
+    # torch 2.13 lists a unit's parameter groups; torch 2.11 has one.
+    state = unit._get_fsdp_state()
+    return getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+
+
+def _reduce_scatters(module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [u for u in module.modules() if isinstance(u, FSDPModule)]
+    return [u._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm for u in units]
 
 
 def _two_ranks(rank: int, world: int, ckpt: str) -> dict:
@@ -262,6 +318,7 @@ def _two_ranks(rank: int, world: int, ckpt: str) -> dict:
         **_no_sync_fp16_bnb(rank, world),
         **_mixed(rank, world),
         **_prefetch(rank, world),
+        **_overlap(rank, world),
     }
 
 
@@ -338,6 +395,23 @@ def test_prefetch_budget_gathers_ahead_and_changes_no_number(two_ranks, stage):
         assert fwd1 == units * (units - 1) // 2 and async1
         # Stage 3 mirrors that in backward, and the unit run last names only itself.
         assert bwd1 == (fwd1 + 1 if stage == 3 else 0)
+
+
+def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
+    _, results = two_ranks
+    for r in results:
+        for (stage, dtype, backwards), (same, counts, losses) in (
+            (k[1:], v) for k, v in r.items() if k[0] == "overlap"
+        ):
+            what = f"stage {stage} {dtype}, {backwards} backward(s) per step"
+            assert same, what
+            assert losses[-1] < losses[0] - 0.01, (what, losses)  # it trained
+            # 3 steps x 3 units (2 blocks, then the root); a second backward accumulates into existing gradients,
+            # so its reductions land at once and are not parked.
+            assert counts["adds"] == 3 * 3, (what, counts)
+            # Each block's reduction landed while a later unit's backward ran, and none was left in flight when
+            # backward returned.
+            assert counts["early"] == 3 * 2 and counts["left"] == 0, (what, counts)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
