@@ -29,11 +29,12 @@ from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
 from ds_plugin.runtime.host_memory import release_freed_host_memory, reuse_freed_host_memory
+from ds_plugin.zero.gloo_comm import AllGatherByOr, AllReduceScatter, InFlightReductions
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
 from ds_plugin.zero.wrap import BlockTypes, find_blocks
-from ds_plugin.zero.zeropp import AllReduceScatter, InFlightReductions, install_zeropp
+from ds_plugin.zero.zeropp import install_zeropp
 
 __all__ = ["apply_plan", "apply_zero", "broadcast_module_states", "is_zero_applied", "mixed_precision_policy"]
 
@@ -232,17 +233,22 @@ def _block_reshard(block: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) ->
     return plan.reshard_after_forward
 
 
-def _gloo_reduce_scatter(model: nn.Module) -> None:
-    # Every unit reduce-scatters its gradients through an all-reduce (faster on gloo: see `AllReduceScatter`) that
-    # lands while the next unit's backward runs (FSDP2 issues it synchronously on CPU).
+def _gloo_collectives(model: nn.Module, plan: ZeroPlan) -> None:
+    # FSDP2 on gloo: every unit's gradient reduction lands while the next unit's backward runs, and on one host the
+    # reductions and large all-gathers go through gloo's faster all-reduce (see `gloo_comm`). qwZ / qgZ, installed
+    # after this, replace what they quantize.
+    one_host = plan.ranks_per_node >= plan.world_size
     in_flight = InFlightReductions()
+    gather = AllGatherByOr() if one_host else None
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     owner: dict[int, tuple[nn.Module, nn.Parameter]] = {}
     for unit in units:  # outer units come first, so a parameter ends with the innermost unit holding it
         owner.update({id(p): (unit, p) for p in unit.parameters()})
     for unit in units:
         own = [p for u, p in owner.values() if u is unit]
-        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight))
+        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight, by_all_reduce=one_host))
+        if gather is not None:
+            unit.set_custom_all_gather(gather)
 
 
 def _numel(module: nn.Module) -> int:
@@ -384,6 +390,7 @@ def _replicate(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh) -> None:
         reduce_dtype=torch_dtype(plan.reduce_dtype),
         accum_dtype=torch_dtype(plan.grad_accum_dtype),
         master_device=torch.device("cpu") if plan.offload else None,
+        one_host=plan.ranks_per_node >= plan.world_size,
     )
 
 
@@ -458,8 +465,8 @@ def apply_plan(
     if plan.stage >= 2:
         _check_quantized_shards(model, plan, mesh)
         _shard(model, plan, mesh, blocks)
-        if mesh.device_type == "cpu" and plan.quantized_gradients_block is None:
-            _gloo_reduce_scatter(model)
+        if mesh.device_type == "cpu":
+            _gloo_collectives(model, plan)
         # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
         install_zeropp(
             model,

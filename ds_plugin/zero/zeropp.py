@@ -28,7 +28,6 @@ The quantize / dequantize steps come from `ds_plugin.quant.comm.dispatch`: the b
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -43,8 +42,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
 
 __all__ = [
-    "AllReduceScatter",
-    "InFlightReductions",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "ZeroPPStats",
@@ -363,105 +360,6 @@ def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGro
         if rank % ranks_per_node == j:
             inter = g
     return intra, inter
-
-
-class InFlightReductions:
-    """Gradient reductions issued but not yet landed, oldest first, shared by the units of one model.
-
-    FSDP2 issues a unit's reduce-scatter synchronously on CPU (there are no streams to put it on), so on gloo the
-    backward of the next unit waits for it. `AllReduceScatter` issues it asynchronously and parks its landing here
-    instead: each new reduction lands the ones beyond `depth` (the previous unit's, which had this unit's backward
-    to travel in), and whatever is left lands in a callback at the end of backward, before anything reads a
-    gradient. Memory: `depth` extra unsharded gradient buffers of one unit each, as FSDP2 holds on a GPU.
-    """
-
-    def __init__(self, depth: int = 1) -> None:
-        self.depth = depth
-        self._pending: collections.deque = collections.deque()
-        self._queued = False
-
-    def add(self, land) -> None:
-        """Park `land` (a reduction in flight; calling it completes it) and land what is beyond `depth`."""
-        self._pending.append(land)
-        while len(self._pending) > self.depth:
-            self._pending.popleft()()
-        if self._queued:
-            return
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.drain)
-            self._queued = True
-        except RuntimeError:  # not inside a backward pass: nothing would come back for it
-            self.drain()
-
-    def drain(self) -> None:
-        """Land every reduction still in flight."""
-        self._queued = False
-        while self._pending:
-            self._pending.popleft()()
-
-
-class AllReduceScatter(_PlainAlloc):
-    """FSDP2's reduce-scatter on gloo as an all-reduce of which this rank keeps its chunk, overlapped with backward.
-
-    gloo's all-reduce is a pipelined ring; its reduce-scatter is not: on one host with 2 ranks, 13M fp32 elements
-    reduce-scatter in 66 ms and all-reduce in 54 ms (bf16: 44 and 35 ms), more than the chunk copy costs. The
-    input is FSDP2's own staging buffer, summed in place. SUM and AVG (FSDP2's op for fp32/bf16) only; any other
-    op takes gloo's reduce-scatter.
-
-    Args:
-        params: the parameters this FSDP2 unit owns (not those of units nested in it).
-        in_flight: where the reduction is parked to land later (see `InFlightReductions`); None lands it at once.
-            It lands at once anyway when FSDP2 would read the output right away: a unit's gradient accumulates
-            into an existing `.grad` (a second backward without accumulation steps), or a post-accumulate-grad
-            hook is registered on one of its parameters (it would read the gradient before it has landed).
-    """
-
-    def __init__(self, params: list[Tensor] | None = None, in_flight: InFlightReductions | None = None) -> None:
-        self._params = params or []
-        self._in_flight = in_flight
-
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool = False
-    ):
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        world = dist.get_world_size(group)
-        work = dist.all_reduce(input_tensor, group=group, async_op=True)
-        mine = input_tensor.view(world, -1)[dist.get_rank(group)]
-        if self._in_flight is None or any(
-            p.grad is not None or getattr(p, "_post_accumulate_grad_hooks", None) for p in self._params
-        ):
-            work.wait()
-            _reduced_into(output_tensor, mine, op, world)
-            return None
-        # FSDP2 goes on at once: it casts the output to the parameters' dtype when that differs (bf16 gradients of
-        # fp32 master weights) and views the gradients into the result, so the landing writes there instead.
-        cast = any(p.dtype != output_tensor.dtype for p in self._params if p.requires_grad)
-
-        def land() -> None:
-            work.wait()
-            _reduced_into(self._cast_buffer(output_tensor.numel()) if cast else output_tensor, mine, op, world)
-
-        self._in_flight.add(land)
-        return None
-
-    def _cast_buffer(self, numel: int) -> Tensor:
-        # The flat buffer FSDP2 cast the reduced chunk into: the storage every gradient of this unit views.
-        for p in self._params:
-            if p.grad is not None:
-                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                if local.untyped_storage().nbytes() == numel * local.element_size():
-                    return local.new_empty(0).set_(local.untyped_storage(), 0, (numel,))
-        raise RuntimeError(
-            "ds_plugin: FSDP2's gradient buffer for an overlapped reduction was not found: this torch version's "
-            f"FSDP2 reduce-scatter is not the one ds_plugin was built against (torch {torch.__version__}); "
-            "use torch 2.11-2.13"
-        )
-
-
-def _reduced_into(out: Tensor, mine: Tensor, op, world: int) -> None:
-    # This rank's chunk of the summed input, averaged for AVG in the reduction's dtype, into `out` (any float dtype).
-    out.view(mine.shape).copy_(mine / world if op == dist.ReduceOp.AVG else mine)
 
 
 class _PlainAllGather(_PlainAlloc):

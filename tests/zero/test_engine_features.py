@@ -8,6 +8,7 @@ another stage. Setup checks that need no process group are in test_model_setup.p
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -258,10 +259,10 @@ def _overlap(rank: int, world: int) -> dict:
     # Stages 2/3 on gloo: each unit's gradient reduction lands while the next unit's backward runs. Against the same
     # runs with every reduction landed at once: equal losses and weights (fp32; bf16, whose reduced chunk FSDP2
     # casts to the fp32 master's dtype; and a second backward in one step, whose gradients accumulate).
-    from ds_plugin.zero import zeropp
+    from ds_plugin.zero import gloo_comm
     from ds_plugin.zero.setup import initialize
 
-    real_add, seen = zeropp.InFlightReductions.add, {"adds": 0, "early": 0, "left": 0}
+    real_add, seen = gloo_comm.InFlightReductions.add, {"adds": 0, "early": 0, "left": 0}
 
     def counting_add(self, land):
         seen["adds"] += 1
@@ -284,17 +285,58 @@ def _overlap(rank: int, world: int) -> dict:
         return losses, full_params(engine.module)
 
     out: dict = {}
-    for stage, dtype, backwards in ((2, "fp32", 1), (3, "fp32", 1), (2, "bf16", 1), (3, "bf16", 1), (3, "fp32", 2)):
-        zeropp.InFlightReductions.add = counting_add
+    for stage, dtype, backwards in (
+        (2, "fp32", 1),
+        (3, "fp32", 1),
+        (2, "bf16", 1),
+        (3, "bf16", 1),
+        (3, "fp32", 2),
+        (3, "fp16", 1),
+    ):
+        gloo_comm.InFlightReductions.add = counting_add
         seen.update(adds=0, early=0, left=0)
         try:
             (loss_a, params_a), counts = run(stage, dtype, backwards, overlap=True), dict(seen)
         finally:
-            zeropp.InFlightReductions.add = real_add
+            gloo_comm.InFlightReductions.add = real_add
         loss_b, params_b = run(stage, dtype, backwards, overlap=False)
         same = loss_a == loss_b and all(torch.equal(params_a[k], params_b[k]) for k in params_a)
         out["overlap", stage, dtype, backwards] = (same, counts, loss_a)
+        if backwards == 1 and dtype == "fp32":
+            # The same run as if each rank were on its own host: gloo's reduce-scatter instead of the all-reduce.
+            os.environ["LOCAL_WORLD_SIZE"] = "1"
+            try:
+                loss_c, params_c = run(stage, dtype, backwards, overlap=True)
+            finally:
+                del os.environ["LOCAL_WORLD_SIZE"]
+            out["hosts", stage] = loss_c == loss_a and all(torch.equal(params_c[k], params_a[k]) for k in params_a)
+    # Stage 1 (no FSDP2): its buckets' reduce-scatter and all-gather, on one host and "on two".
+    one = run(1, "fp32", 1, overlap=True)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        two = run(1, "fp32", 1, overlap=True)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    out["hosts", 1] = one[0] == two[0] and all(torch.equal(one[1][k], two[1][k]) for k in one[1])
+    out["or_gather"] = _or_gather(rank, world)
     return out
+
+
+def _or_gather(rank: int, world: int) -> tuple:
+    # An all-gather as an OR all-reduce gives gloo's all-gather bit for bit (-0.0, NaN payloads, infinities),
+    # from the size where it pays (16 MiB of fp32).
+    import torch.distributed as dist
+
+    from ds_plugin.zero.gloo_comm import all_gather_by_or, or_gather_pays
+
+    chunk = torch.randn(1 << 21, generator=torch.Generator().manual_seed(rank))
+    chunk[:4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0])
+    chunk.view(torch.int32)[4] = 0x7FC01234 + rank  # a NaN with a payload
+    ours, theirs = torch.empty(world * chunk.numel()), torch.empty(world * chunk.numel())
+    all_gather_by_or(ours, chunk, dist.group.WORLD)
+    dist.all_gather_into_tensor(theirs, chunk)
+    small = torch.empty(1 << 20)  # 4 MiB of fp32: gloo's own all-gather is faster there
+    return torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), or_gather_pays(ours), or_gather_pays(small)
 
 
 def _param_groups(unit) -> list:
@@ -400,12 +442,18 @@ def test_prefetch_budget_gathers_ahead_and_changes_no_number(two_ranks, stage):
 def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
     _, results = two_ranks
     for r in results:
+        assert r["or_gather"] == (True, True, False)
+        # Ranks on separate hosts take gloo's reduce-scatter and all-gather: the same numbers.
+        assert r["hosts", 1] and r["hosts", 2] and r["hosts", 3]
         for (stage, dtype, backwards), (same, counts, losses) in (
             (k[1:], v) for k, v in r.items() if k[0] == "overlap"
         ):
             what = f"stage {stage} {dtype}, {backwards} backward(s) per step"
             assert same, what
             assert losses[-1] < losses[0] - 0.01, (what, losses)  # it trained
+            if dtype == "fp16":  # FSDP2 divides fp16 gradients itself right after the reduction: never parked
+                assert counts == {"adds": 0, "early": 0, "left": 0}, (what, counts)
+                continue
             # 3 steps x 3 units (2 blocks, then the root); a second backward accumulates into existing gradients,
             # so its reductions land at once and are not parked.
             assert counts["adds"] == 3 * 3, (what, counts)
