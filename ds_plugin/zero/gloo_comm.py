@@ -42,14 +42,17 @@ def all_gather_by_or(output: Tensor, input_tensor: Tensor, group: dist.ProcessGr
 
     Args:
         output: the gathered result, rank-major, `world` times `input_tensor`'s elements (`or_gather_pays`).
-        input_tensor: this rank's chunk.
+        input_tensor: this rank's chunk; it may be the output's own row (FSDP2 gathers in place).
         group: the process group (gloo).
         async_op: return the collective's work instead of waiting for it.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rows = output.view(world, -1)
-    rows.zero_()
-    rows[rank].copy_(input_tensor.reshape(-1))
+    rows[:rank].zero_()
+    rows[rank + 1 :].zero_()
+    mine = input_tensor.reshape(-1)
+    if mine.data_ptr() != rows[rank].data_ptr():  # FSDP2 passes a view of the output's own row: nothing to copy
+        rows[rank].copy_(mine)
     return dist.all_reduce(output.view(torch.int32), op=dist.ReduceOp.BOR, group=group, async_op=async_op)
 
 

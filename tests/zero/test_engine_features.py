@@ -318,6 +318,19 @@ def _overlap(rank: int, world: int) -> dict:
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
     out["hosts", 1] = one[0] == two[0] and all(torch.equal(one[1][k], two[1][k]) for k in one[1])
+    # Every all-gather as an OR all-reduce (the tiny model's are below the size where it pays): the same numbers
+    # through FSDP2's in-place gathers (stages 2/3, bf16 too) and stage 1's buckets.
+    sizes = gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER
+    for stage, dtype in ((1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")):
+        plain = run(stage, dtype, 1, overlap=True)
+        gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER = {}, 0
+        try:
+            ored = run(stage, dtype, 1, overlap=True)
+        finally:
+            gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER = sizes
+        out["or_everywhere", stage, dtype] = plain[0] == ored[0] and all(
+            torch.equal(plain[1][k], ored[1][k]) for k in plain[1]
+        )
     out["or_gather"] = _or_gather(rank, world)
     return out
 
@@ -335,8 +348,15 @@ def _or_gather(rank: int, world: int) -> tuple:
     ours, theirs = torch.empty(world * chunk.numel()), torch.empty(world * chunk.numel())
     all_gather_by_or(ours, chunk, dist.group.WORLD)
     dist.all_gather_into_tensor(theirs, chunk)
+    exact = torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+    # In place, as FSDP2 calls it: the input is the output's own row, and stale values fill the others.
+    in_place = torch.full_like(ours, float("nan"))
+    own = in_place.view(world, -1)[rank]
+    own.copy_(chunk)
+    all_gather_by_or(in_place, own, dist.group.WORLD)
+    exact_in_place = torch.equal(in_place.view(torch.int32), theirs.view(torch.int32))
     small = torch.empty(1 << 20)  # 4 MiB of fp32: gloo's own all-gather is faster there
-    return torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), or_gather_pays(ours), or_gather_pays(small)
+    return exact, exact_in_place, or_gather_pays(ours), or_gather_pays(small)
 
 
 def _param_groups(unit) -> list:
@@ -442,7 +462,11 @@ def test_prefetch_budget_gathers_ahead_and_changes_no_number(two_ranks, stage):
 def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
     _, results = two_ranks
     for r in results:
-        assert r["or_gather"] == (True, True, False)
+        assert r["or_gather"] == (True, True, True, False)
+        assert (
+            all(v for k, v in r.items() if k[0] == "or_everywhere")
+            and len([k for k in r if k[0] == "or_everywhere"]) == 4
+        )
         # Ranks on separate hosts take gloo's reduce-scatter and all-gather: the same numbers.
         assert r["hosts", 1] and r["hosts", 2] and r["hosts", 3]
         for (stage, dtype, backwards), (same, counts, losses) in (
