@@ -2,8 +2,7 @@
 
 torchrun starts `python -m ds_plugin.deepspeed._rank_entry [--no-local-rank] [--module] script args...` per rank;
 this puts `--local_rank=$LOCAL_RANK` right after the script name (where DeepSpeed's launcher puts it) and runs the
-script as `__main__`. DeepSpeed-style scripts never destroy their process group; when the script returns normally with
-one still open, the ranks meet at a barrier and destroy it here, so every rank leaves the job together.
+script as `__main__`.
 """
 
 from __future__ import annotations
@@ -11,8 +10,6 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-
-import torch.distributed as dist
 
 
 def main(argv: list[str]) -> None:
@@ -36,14 +33,6 @@ def main(argv: list[str]) -> None:
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")
-    _close_process_group()
-
-
-def _close_process_group() -> None:
-    """Barrier and destroy the default process group if the script left one open."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -237,16 +237,15 @@ def _gloo_collectives(model: nn.Module, plan: ZeroPlan) -> None:
     # FSDP2 on gloo: every unit's gradient reduction lands while the next unit's backward runs, and on one host the
     # reductions and large all-gathers go through gloo's faster all-reduce (see `gloo_comm`). qwZ / qgZ, installed
     # after this, replace what they quantize.
-    one_host = plan.ranks_per_node >= plan.world_size
     in_flight = InFlightReductions()
-    gather = AllGatherByOr() if one_host else None
+    gather = AllGatherByOr() if plan.one_host else None
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     owner: dict[int, tuple[nn.Module, nn.Parameter]] = {}
     for unit in units:  # outer units come first, so a parameter ends with the innermost unit holding it
         owner.update({id(p): (unit, p) for p in unit.parameters()})
     for unit in units:
         own = [p for u, p in owner.values() if u is unit]
-        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight, by_all_reduce=one_host))
+        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight, by_all_reduce=plan.one_host))
         if gather is not None:
             unit.set_custom_all_gather(gather)
 
@@ -390,7 +389,7 @@ def _replicate(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh) -> None:
         reduce_dtype=torch_dtype(plan.reduce_dtype),
         accum_dtype=torch_dtype(plan.grad_accum_dtype),
         master_device=torch.device("cpu") if plan.offload else None,
-        one_host=plan.ranks_per_node >= plan.world_size,
+        one_host=plan.one_host,
     )
 
 

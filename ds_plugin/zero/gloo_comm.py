@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["AllGatherByOr", "AllReduceScatter", "InFlightReductions", "all_gather_by_or", "or_gather_pays"]
+__all__ = [
+    "AllGatherByOr",
+    "AllReduceScatter",
+    "CommBuffers",
+    "InFlightReductions",
+    "all_gather_by_or",
+    "or_gather_pays",
+]
 
 #: Output sizes from which an all-gather is faster as an OR all-reduce on one host (same VM, 2 ranks): fp32
 #: 16 MB 11.1 -> 8.4 ms, 52 MB 46 -> 27 ms, 104 MB 85 -> 64 ms, but 12 MB 4.3 -> 5.8 ms; bf16 26 MB 11.6 -> 12.6 ms,
@@ -56,14 +63,14 @@ def all_gather_by_or(output: Tensor, input_tensor: Tensor, group: dist.ProcessGr
     return dist.all_reduce(output.view(torch.int32), op=dist.ReduceOp.BOR, group=group, async_op=async_op)
 
 
-class _Alloc:
-    """FSDP2's comm protocol also asks the comm object for its buffers."""
+class CommBuffers:
+    """FSDP2's custom-collective protocol also asks the comm object for its buffers: plain `torch.empty`."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class AllGatherByOr(_Alloc):
+class AllGatherByOr(CommBuffers):
     """FSDP2's all-gather on one host: `all_gather_by_or` where it pays (`or_gather_pays`), else gloo's own."""
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False):
@@ -105,7 +112,7 @@ class InFlightReductions:
             self._pending.popleft()()
 
 
-class AllReduceScatter(_Alloc):
+class AllReduceScatter(CommBuffers):
     """FSDP2's gradient reduce-scatter on gloo, overlapped with backward; on one host, as an all-reduce.
 
     On one host (`by_all_reduce`) the input, FSDP2's own staging buffer, is summed in place and this rank keeps its

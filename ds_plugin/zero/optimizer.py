@@ -48,9 +48,9 @@ def build_optimizer(spec: OptimizerSpec, params: list[nn.Parameter], replacement
 
     torch's Adam and AdamW step one parameter at a time on CPU unless `fused=True` or `foreach=True` is passed;
     the fused kernel is 4-5x faster there (AdamW over 8M fp32 elements in 52 tensors: 46 ms per step, fused
-    10 ms). DeepSpeed steps its own fused optimizers too. When every param group leaves both
-    `fused` and `foreach` unset (None), `fused` is switched on; the numbers agree with the per-parameter loop to
-    float rounding. An optimizer that sets either keeps what it says.
+    10 ms). DeepSpeed steps its own fused optimizers too. When every param group leaves both `fused` and `foreach`
+    unset (None), `fused` is switched on; the numbers agree with the per-parameter loop to float rounding. An
+    optimizer that sets either keeps what it says.
 
     Args:
         spec: a factory called with the trainable ZeRO parameters (its optimizer may be built on those or on the

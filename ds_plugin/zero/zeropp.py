@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
+from ds_plugin.zero.gloo_comm import CommBuffers
 
 __all__ = [
     "QuantizedAllGather",
@@ -87,14 +88,7 @@ def _block_for(numel: int, block_size: int) -> int:
     return max(2, min(block_size, numel + (numel % 2)))
 
 
-class _PlainAlloc:
-    """FSDP2's comm protocol also asks the comm object for its buffers."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class QuantizedAllGather(_PlainAlloc):
+class QuantizedAllGather(CommBuffers):
     """qwZ: FSDP2 all-gather of the weight shards as blockwise INT8 codes plus bf16 scales.
 
     Args:
@@ -226,7 +220,7 @@ def _land(flights: list[_Gathering], levels: tuple):
     yield flights[-1].wait()
 
 
-class QuantizedReduceScatter(_PlainAlloc):
+class QuantizedReduceScatter(CommBuffers):
     """qgZ: FSDP2 reduce-scatter as INT4 quantize -> all-to-all -> dequantize -> fp32 sum.
 
     Args:
@@ -362,7 +356,7 @@ def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGro
     return intra, inter
 
 
-class _PlainAllGather(_PlainAlloc):
+class _PlainAllGather(CommBuffers):
     """FSDP2's own all-gather, bit for bit: what `exact_weight_gathers` puts in qwZ's place for a while."""
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False):

@@ -32,8 +32,13 @@ def _overlap(rank: int, world: int) -> dict:
         seen["early"] += len(self._pending) >= self.depth  # the previous unit's reduction lands here
         real_add(self, land)
 
-    def run(stage: str, dtype: str, backwards: int, *, overlap: bool) -> tuple:
-        engine = initialize(gpt2(), zero_config(stage, dtype=dtype), make_optimizer("adamw"))
+    def run(stage: int, dtype: str, backwards: int = 1, *, overlap: bool = True, hosts: int = 1) -> tuple:
+        if hosts > 1:  # as if each rank were on its own host: gloo's own collectives
+            os.environ["LOCAL_WORLD_SIZE"] = "1"
+        try:
+            engine = initialize(gpt2(), zero_config(stage, dtype=dtype), make_optimizer("adamw"))
+        finally:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
         comms = _reduce_scatters(engine.module)
         for comm in comms if not overlap else ():
             comm._in_flight = None  # every reduction lands before FSDP2 goes on
@@ -48,6 +53,7 @@ def _overlap(rank: int, world: int) -> dict:
         return losses, full_params(engine.module)
 
     out: dict = {}
+    overlapped = {}  # (stage, dtype) -> the run with one backward per step, reductions overlapped, on one host
     for stage, dtype, backwards in (
         (2, "fp32", 1),
         (3, "fp32", 1),
@@ -59,43 +65,36 @@ def _overlap(rank: int, world: int) -> dict:
         gloo_comm.InFlightReductions.add = counting_add
         seen.update(adds=0, early=0, left=0)
         try:
-            (loss_a, params_a), counts = run(stage, dtype, backwards, overlap=True), dict(seen)
+            ran, counts = run(stage, dtype, backwards), dict(seen)
         finally:
             gloo_comm.InFlightReductions.add = real_add
-        loss_b, params_b = run(stage, dtype, backwards, overlap=False)
-        same = loss_a == loss_b and all(torch.equal(params_a[k], params_b[k]) for k in params_a)
-        out["overlap", stage, dtype, backwards] = (same, counts, loss_a)
-        if backwards == 1 and dtype == "fp32":
-            # The same run as if each rank were on its own host: gloo's reduce-scatter instead of the all-reduce.
-            os.environ["LOCAL_WORLD_SIZE"] = "1"
-            try:
-                loss_c, params_c = run(stage, dtype, backwards, overlap=True)
-            finally:
-                del os.environ["LOCAL_WORLD_SIZE"]
-            out["hosts", stage] = loss_c == loss_a and all(torch.equal(params_c[k], params_a[k]) for k in params_a)
-    # Stage 1 (no FSDP2): its buckets' reduce-scatter and all-gather, on one host and "on two".
-    one = run(1, "fp32", 1, overlap=True)
-    os.environ["LOCAL_WORLD_SIZE"] = "1"
-    try:
-        two = run(1, "fp32", 1, overlap=True)
-    finally:
-        del os.environ["LOCAL_WORLD_SIZE"]
-    out["hosts", 1] = one[0] == two[0] and all(torch.equal(one[1][k], two[1][k]) for k in one[1])
+        if backwards == 1:
+            overlapped[stage, dtype] = ran
+        out["overlap", stage, dtype, backwards] = (
+            _same(ran, run(stage, dtype, backwards, overlap=False)),
+            counts,
+            ran[0],
+        )
+    # Ranks "on two hosts" take gloo's reduce-scatter and all-gather: stages 2/3, and stage 1's buckets (no FSDP2).
+    overlapped[1, "fp32"] = run(1, "fp32")
+    for stage in (1, 2, 3):
+        out["hosts", stage] = _same(overlapped[stage, "fp32"], run(stage, "fp32", hosts=2))
     # Every all-gather as an OR all-reduce (the tiny model's are below the size where it pays): the same numbers
     # through FSDP2's in-place gathers (stages 2/3, bf16 too) and stage 1's buckets.
     sizes = gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER
     for stage, dtype in ((1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")):
-        plain = run(stage, dtype, 1, overlap=True)
         gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER = {}, 0
         try:
-            ored = run(stage, dtype, 1, overlap=True)
+            out["or_everywhere", stage, dtype] = _same(overlapped[stage, dtype], run(stage, dtype))
         finally:
             gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER = sizes
-        out["or_everywhere", stage, dtype] = plain[0] == ored[0] and all(
-            torch.equal(plain[1][k], ored[1][k]) for k in plain[1]
-        )
     out["or_gather"] = _or_gather(rank, world)
     return out
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    # Two runs' (losses, weights) are equal, bit for bit.
+    return a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
 def _or_gather(rank: int, world: int) -> tuple:
