@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per rank per step")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="of the training order (the base is always the same)")
     parser.add_argument("--frozen-format", default="int4", choices=["int8", "int4", "nf4"])
     parser.add_argument("--strategy", default="zeropp", help="a preset (zero2, zero3, zeropp) or a DeepSpeed JSON")
     parser.add_argument("--precision", default="32-true", help="32-true on CPU; bf16-mixed on GPUs")
@@ -179,11 +180,11 @@ def main() -> None:
     start = time.perf_counter()
     # Two processes share two cores: one thread each avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(args.seed, verbose=False)
 
     gpu = torch.cuda.is_available()
     world = int(args.devices) if args.devices else (torch.cuda.device_count() if gpu else 2)
-    train = SftExamples(train_rows, args.steps * args.micro_batch * world, tok)
+    train = SftExamples(train_rows, args.steps * args.micro_batch * world, tok, seed=args.seed)
     trainer = pl.Trainer(
         # The zeropp preset (ZeRO-3 + qwZ/hpZ/qgZ) with the frozen Linear weights stored in 4 bits.
         strategy=ZeroStrategy(args.strategy, zero_optimization={"frozen_format": args.frozen_format}),
