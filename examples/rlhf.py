@@ -462,6 +462,19 @@ def plot(results: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+# The steps each step trains from: a step run again makes what was recorded for these out of date.
+TRAINED_FROM = {"sft": (), "reward": (), "ppo": ("sft", "reward"), "dpo": ("sft", "reward")}
+
+
+def recorded_steps(path: Path, results: dict) -> dict:
+    """This run's results with what earlier runs into the same --out-dir recorded in `path` (steps run one at a
+    time, DeepSpeed-Chat's way, add up), less the records of steps trained from a step this run redid."""
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    kept = {k: v for k, v in earlier.items() if k not in results and not set(results) & set(TRAINED_FROM.get(k, ()))}
+    order = [k for k in TRAINED_FROM if k in kept or k in results]
+    return {k: results.get(k, kept.get(k)) for k in order}
+
+
 def check_args(args) -> None:
     """A value out of range, or a step that needs an earlier one's output missing from --out-dir: one line on
     stderr and exit code 2 (argparse's), before any model is built or process group started."""
@@ -563,8 +576,9 @@ def main() -> None:
     chosen = ["sft", "reward", "ppo"] if args.step == "all" else [args.step]
     results = {name: steps[name](args) for name in chosen}
     if dist.get_rank() == 0:
-        plot(results, args.out_dir / "rlhf.png")
-        (args.out_dir / "summary.json").write_text(json.dumps(results))
+        recorded = recorded_steps(args.out_dir / "summary.json", results)
+        plot(recorded, args.out_dir / "rlhf.png")
+        (args.out_dir / "summary.json").write_text(json.dumps(recorded))
         for name, r in results.items():
             print(f"{name:>6}: {r['metric']} {r['before']:.3f} -> {r['after']:.3f}")
         if "dpo" in results:

@@ -10,6 +10,7 @@ same rollout sees a changed policy and critic; under DS_PLUGIN_TEST_NOOP_STEP=1 
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import sys
 
@@ -110,6 +111,17 @@ def test_bad_ppo_arguments(args, message, tmp_path, monkeypatch, capsys):
     err = fails_with_one_line("rlhf.py", [*args, "--out-dir", str(out)], monkeypatch, capsys)
     assert err.startswith(f"rlhf.py: error: {message.format(out=out)}"), err
     assert not out.exists()
+
+
+def test_summary_keeps_the_steps_run_earlier(tmp_path):
+    rlhf = importlib.import_module("rlhf")
+    path = tmp_path / "summary.json"
+    record = lambda *steps: path.write_text(json.dumps(rlhf.recorded_steps(path, {s: len(s) for s in steps})))  # noqa: E731
+    record("sft", "reward", "ppo")
+    record("dpo")  # DPO after --step all: PPO's record stays (it does not train from DPO)
+    assert json.loads(path.read_text()) == {"sft": 3, "reward": 6, "ppo": 3, "dpo": 3}
+    record("reward")  # a new reward model: PPO and DPO trained from the old one, so their records go
+    assert json.loads(path.read_text()) == {"sft": 3, "reward": 6}
 
 
 # -- ZeRO-3 and ZeRO-2 give the same first PPO iteration ---------------------------------------------------------
