@@ -29,7 +29,7 @@ from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
 from ds_plugin.runtime.host_memory import release_freed_host_memory, reuse_freed_host_memory
-from ds_plugin.zero.gloo_comm import AllGatherByOr, AllReduceScatter, InFlightReductions
+from ds_plugin.zero.gloo_comm import AllReduceScatter, InFlightReductions, RingAllGather
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
@@ -235,17 +235,17 @@ def _block_reshard(block: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) ->
 
 def _gloo_collectives(model: nn.Module, plan: ZeroPlan) -> None:
     # FSDP2 on gloo: every unit's gradient reduction lands while the next unit's backward runs, and on one host the
-    # reductions and large all-gathers go through gloo's faster all-reduce (see `gloo_comm`). qwZ / qgZ, installed
-    # after this, replace what they quantize.
+    # reductions and all-gathers go round a ring of sends and receives, faster than gloo's own (see `gloo_comm`).
+    # qwZ / qgZ, installed after this, replace what they quantize.
     in_flight = InFlightReductions()
-    gather = AllGatherByOr() if plan.one_host else None
+    gather = RingAllGather() if plan.one_host else None
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     owner: dict[int, tuple[nn.Module, nn.Parameter]] = {}
     for unit in units:  # outer units come first, so a parameter ends with the innermost unit holding it
         owner.update({id(p): (unit, p) for p in unit.parameters()})
     for unit in units:
         own = [p for u, p in owner.values() if u is unit]
-        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight, by_all_reduce=plan.one_host))
+        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight, ring=plan.one_host))
         if gather is not None:
             unit.set_custom_all_gather(gather)
 

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
-from ds_plugin.zero.gloo_comm import CommBuffers
+from ds_plugin.zero.gloo_comm import CommBuffers, DeferredWork
 
 __all__ = [
     "QuantizedAllGather",
@@ -150,7 +150,7 @@ class QuantizedAllGather(CommBuffers):
 
         if async_op:
             # FSDP2 prefetching: the first-level gathers are on the wire; the rest happens when FSDP2 waits.
-            return _Deferred(land)
+            return DeferredWork(land)
         land()
         return None
 
@@ -189,20 +189,6 @@ class _Gathering:
         for work in self.works:
             work.wait()
         return self.codes, self.scales
-
-
-class _Deferred(dist.Work):
-    """A collective FSDP2 waits on later (`async_op=True`): its collectives are in flight, `finish` completes it."""
-
-    def __init__(self, finish) -> None:
-        super().__init__()
-        self._finish = finish
-
-    def wait(self, timeout=None) -> bool:
-        if self._finish is not None:
-            self._finish, finish = None, self._finish
-            finish()
-        return True
 
 
 def _land(flights: list[_Gathering], levels: tuple):

@@ -2,9 +2,10 @@
 
 Stages 2/3: each unit's reduction lands while the next unit's backward runs, and no run changes a number against
 landing at once (fp32; bf16, whose reduced chunk FSDP2 casts to the fp32 master's dtype; two backwards per step;
-fp16, which FSDP2 divides itself and so is never parked). On one host large all-gathers are OR all-reduces, bit for
-bit gloo's own (in place as FSDP2 calls it, -0.0 and NaN payloads); ranks "on two hosts" take gloo's own
-collectives with the same numbers.
+fp16, which FSDP2 divides itself and so is never parked). On one host reductions and gathers go round a ring of
+sends and receives: gathers bit for bit gloo's own (in place as FSDP2 calls it, -0.0 and NaN payloads), sums equal
+to gloo's, on 2 ranks (one step) and on 3 (two steps, several rings in flight at once); ranks "on two hosts" take
+gloo's own collectives with the same numbers.
 """
 
 from __future__ import annotations
@@ -79,16 +80,7 @@ def _overlap(rank: int, world: int) -> dict:
     overlapped[1, "fp32"] = run(1, "fp32")
     for stage in (1, 2, 3):
         out["hosts", stage] = _same(overlapped[stage, "fp32"], run(stage, "fp32", hosts=2))
-    # Every all-gather as an OR all-reduce (the tiny model's are below the size where it pays): the same numbers
-    # through FSDP2's in-place gathers (stages 2/3, bf16 too) and stage 1's buckets.
-    sizes = gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER
-    for stage, dtype in ((1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")):
-        gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER = {}, 0
-        try:
-            out["or_everywhere", stage, dtype] = _same(overlapped[stage, dtype], run(stage, dtype))
-        finally:
-            gloo_comm._OR_GATHER_MIN_BYTES, gloo_comm._OR_GATHER_MIN_BYTES_OTHER = sizes
-    out["or_gather"] = _or_gather(rank, world)
+    out["ring"] = _ring_collectives(rank, world)
     return out
 
 
@@ -97,28 +89,47 @@ def _same(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
-def _or_gather(rank: int, world: int) -> tuple:
-    # An all-gather as an OR all-reduce gives gloo's all-gather bit for bit (-0.0, NaN payloads, infinities),
-    # from the size where it pays (16 MiB of fp32).
+def _ring_collectives(rank: int, world: int) -> dict:
+    # The ring against gloo's own collectives: gathers bit for bit (-0.0, NaN payloads, infinities; in place, as
+    # FSDP2 calls them, with stale values in the other rows), sums equal to gloo's (bit for bit on 2 ranks, where
+    # both add the same two numbers; within rounding on more, where the order differs). Three rings of each are in
+    # flight at once, issued before any is waited on, as FSDP2's prefetch and the in-flight reductions do.
     import torch.distributed as dist
 
-    from ds_plugin.zero.gloo_comm import all_gather_by_or, or_gather_pays
+    from ds_plugin.zero.gloo_comm import ring_all_gather, ring_reduce_scatter
 
-    chunk = torch.randn(1 << 21, generator=torch.Generator().manual_seed(rank))
-    chunk[:4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0])
-    chunk.view(torch.int32)[4] = 0x7FC01234 + rank  # a NaN with a payload
-    ours, theirs = torch.empty(world * chunk.numel()), torch.empty(world * chunk.numel())
-    all_gather_by_or(ours, chunk, dist.group.WORLD)
-    dist.all_gather_into_tensor(theirs, chunk)
-    exact = torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
-    # In place, as FSDP2 calls it: the input is the output's own row, and stale values fill the others.
-    in_place = torch.full_like(ours, float("nan"))
-    own = in_place.view(world, -1)[rank]
-    own.copy_(chunk)
-    all_gather_by_or(in_place, own, dist.group.WORLD)
-    exact_in_place = torch.equal(in_place.view(torch.int32), theirs.view(torch.int32))
-    small = torch.empty(1 << 20)  # 4 MiB of fp32: gloo's own all-gather is faster there
-    return exact, exact_in_place, or_gather_pays(ours), or_gather_pays(small)
+    group, out = dist.group.WORLD, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(rank)
+        chunks = [torch.randn(1000 + k, generator=gen).to(dtype) for k in range(3)]
+        chunks[0][:4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0])
+        chunks[0].view(torch.int16)[4] = 0x7FC1 + rank  # a NaN with a payload (bf16) / half of one (fp32)
+        gathers, works = [], []
+        for c in chunks:
+            into = torch.full((world * c.numel(),), float("nan"), dtype=dtype)
+            own = into.view(world, -1)[rank]
+            own.copy_(c)
+            gathers.append(into)
+            works.append(ring_all_gather(into, own, group, async_op=True))
+        sums = [torch.randn(world * (64 + k), generator=gen).to(dtype) for k in range(3)]
+        reduced = [ring_reduce_scatter(x.clone(), group, async_op=True) for x in sums]
+        exact, close = True, True
+        for c, into, work, x, (mine, rs_work) in zip(chunks, gathers, works, sums, reduced, strict=True):
+            assert isinstance(work, dist.Work) and isinstance(rs_work, dist.Work)  # what FSDP2 waits on
+            work.wait()
+            rs_work.wait()
+            theirs = torch.empty_like(into)
+            dist.all_gather_into_tensor(theirs, c)
+            exact &= torch.equal(into.view(torch.int16), theirs.view(torch.int16))
+            want = torch.empty_like(mine)
+            dist.reduce_scatter_tensor(want, x)
+            close &= torch.equal(mine, want) if world == 2 else torch.allclose(mine.float(), want.float(), atol=0.05)
+        out[str(dtype)] = exact, close
+    return out
+
+
+def _three_ranks(rank: int, world: int) -> dict:
+    return _ring_collectives(rank, world)
 
 
 def _reduce_scatters(module) -> list:
@@ -135,11 +146,7 @@ def two_ranks() -> list[dict]:
 
 def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
     for r in two_ranks:
-        assert r["or_gather"] == (True, True, True, False)
-        assert (
-            all(v for k, v in r.items() if k[0] == "or_everywhere")
-            and len([k for k in r if k[0] == "or_everywhere"]) == 4
-        )
+        assert r["ring"] == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}
         # Ranks on separate hosts take gloo's reduce-scatter and all-gather: the same numbers.
         assert r["hosts", 1] and r["hosts", 2] and r["hosts", 3]
         for (stage, dtype, backwards), (same, counts, losses) in (
@@ -157,3 +164,9 @@ def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
             # Each block's reduction landed while a later unit's backward ran, and none was left in flight when
             # backward returned.
             assert counts["early"] == 3 * 2 and counts["left"] == 0, (what, counts)
+
+
+def test_rings_of_three_ranks():
+    # Three ranks: each ring takes two steps, the second issued when the first has landed.
+    for r in run_ranks(_three_ranks, 3, timeout=120):
+        assert r == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}
