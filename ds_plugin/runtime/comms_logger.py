@@ -47,7 +47,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ds_plugin.config import CommsLoggerConfig
 
-__all__ = ["CommsLogger", "comms_logger_from_config", "get_comms_logger"]
+__all__ = ["CommsLogger", "comms_logger_from_config", "get_comms_logger", "record_collective", "unrecorded"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,13 @@ _global: CommsLogger | None = None
 
 
 # Frames skipped when `debug` names the caller: the collective API itself, so FSDP2's or the user's call site shows.
-_API_MODULES = (__name__, "torch.distributed.distributed_c10d", "torch.distributed.c10d_logger", funcol.__name__)
+_API_MODULES = (
+    __name__,
+    "torch.distributed.distributed_c10d",
+    "torch.distributed.c10d_logger",
+    funcol.__name__,
+    "ds_plugin.zero.gloo_comm",  # its rings are recorded as the collectives they implement
+)
 
 
 def _caller() -> str:
@@ -201,6 +207,30 @@ def _measure(
     if me not in ranks:  # c10d returns at once for a rank outside the group: nothing is sent
         return None
     return ranks, size_fn(a, len(ranks), ranks.index(me))
+
+
+def record_collective(op: str, group: Any, in_bytes: int, out_bytes: int) -> None:
+    """Record one call of `op` (`all_gather_into_tensor` or `reduce_scatter_tensor`) that was built from other calls,
+    such as a ring of sends and receives, which then run under `unrecorded`: its bytes by this module's convention."""
+    if not _active:
+        return
+    ranks = tuple(dist.get_process_group_ranks(group))
+    size_fn = _gather if op == "all_gather_into_tensor" else _scatter_reduce
+    sizes = size_fn(in_bytes, out_bytes, len(ranks))
+    caller = _caller() if any(lg.config.debug for lg in _active) else ""
+    for lg in _active:
+        lg._record(op, ranks, sizes, caller)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Calls made inside are not recorded (they make up a collective recorded with `record_collective`)."""
+    depth = getattr(_tls, "depth", 0)
+    _tls.depth = depth + 1
+    try:
+        yield
+    finally:
+        _tls.depth = depth
 
 
 def _install() -> None:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ds_plugin.runtime.comms_logger import record_collective, unrecorded
+
 __all__ = [
     "AllReduceScatter",
     "CommBuffers",
@@ -63,8 +65,9 @@ def _ring(group: dist.ProcessGroup, send_row, recv_row, rows: Tensor, after_recv
 
     def step(s: int) -> list:
         into = rows[recv_row(s)] if scratch is None else scratch
-        return [dist.isend(rows[send_row(s)], nxt, group=group, tag=tag),
-                dist.irecv(into, prev, group=group, tag=tag)]  # fmt: skip
+        with unrecorded():  # the comms logger counts the ring once, as the collective it is
+            return [dist.isend(rows[send_row(s)], nxt, group=group, tag=tag),
+                    dist.irecv(into, prev, group=group, tag=tag)]  # fmt: skip
 
     pending = step(0) if world > 1 else []
 
@@ -94,6 +97,7 @@ def ring_all_gather(output: Tensor, input_tensor: Tensor, group: dist.ProcessGro
     mine = input_tensor.reshape(-1)
     if mine.data_ptr() != rows[rank].data_ptr():
         rows[rank].copy_(mine)
+    record_collective("all_gather_into_tensor", group, rows[rank].nbytes, output.nbytes)
     # Step s passes on the chunk received at step s - 1 (at step 0, this rank's own).
     finish = _ring(group, lambda s: (rank - s) % world, lambda s: (rank - s - 1) % world, rows)
     if async_op:
@@ -110,6 +114,7 @@ def ring_reduce_scatter(input_tensor: Tensor, group: dist.ProcessGroup, async_op
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rows = input_tensor.view(world, -1)
+    record_collective("reduce_scatter_tensor", group, input_tensor.nbytes, rows[rank].nbytes)
 
     def add(s: int, received: Tensor) -> None:  # the partial sum of chunk rank - s - 2 from the ranks before
         rows[(rank - s - 2) % world].add_(received)

@@ -118,8 +118,8 @@ def test_a_comms_logger_block_switches_the_logger_on(results: list[dict]) -> Non
         comms = r["comms"]
         assert comms["steps"] == list(range(STEPS))  # the engine closes one logger step per optimizer step
         assert any(op.startswith("all_gather") for op in comms["ops"])
-        # Gradients are reduced every step: on gloo FSDP2's reduce-scatter runs as an all-reduce (AllReduceScatter),
-        # so either op may carry them; at least each rank's shard of every fp32 gradient, far more than the
+        # Gradients are reduced every step (on gloo FSDP2's reduce-scatter goes round a ring of sends, counted as
+        # the reduce-scatter it is): at least each rank's shard of every fp32 gradient, far more than the
         # one-element all-reduces of the overflow check.
         assert comms["reduce_bytes"] >= STEPS * comms["grad_bytes"] // 2
         assert comms["gather_bytes"] > 0 and "dp" in comms["labels"]
