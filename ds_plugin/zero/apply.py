@@ -233,21 +233,20 @@ def _block_reshard(block: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) ->
     return plan.reshard_after_forward
 
 
-def _gloo_collectives(model: nn.Module, plan: ZeroPlan) -> None:
-    # FSDP2 on gloo: every unit's gradient reduction lands while the next unit's backward runs, and on one host the
-    # reductions and all-gathers go round a ring of sends and receives, faster than gloo's own (see `gloo_comm`).
-    # qwZ / qgZ, installed after this, replace what they quantize.
+def _gloo_collectives(model: nn.Module) -> None:
+    # FSDP2 on gloo: every unit's gradient reduction lands while the next unit's backward runs, and reductions and
+    # all-gathers go round a ring of sends and receives, faster than gloo's own (see `gloo_comm`). qwZ / qgZ,
+    # installed after this, replace what they quantize.
     in_flight = InFlightReductions()
-    gather = RingAllGather() if plan.one_host else None
+    gather = RingAllGather()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     owner: dict[int, tuple[nn.Module, nn.Parameter]] = {}
     for unit in units:  # outer units come first, so a parameter ends with the innermost unit holding it
         owner.update({id(p): (unit, p) for p in unit.parameters()})
     for unit in units:
         own = [p for u, p in owner.values() if u is unit]
-        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight, ring=plan.one_host))
-        if gather is not None:
-            unit.set_custom_all_gather(gather)
+        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight))
+        unit.set_custom_all_gather(gather)
 
 
 def _numel(module: nn.Module) -> int:
@@ -389,7 +388,6 @@ def _replicate(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh) -> None:
         reduce_dtype=torch_dtype(plan.reduce_dtype),
         accum_dtype=torch_dtype(plan.grad_accum_dtype),
         master_device=torch.device("cpu") if plan.offload else None,
-        one_host=plan.one_host,
     )
 
 
@@ -465,7 +463,7 @@ def apply_plan(
         _check_quantized_shards(model, plan, mesh)
         _shard(model, plan, mesh, blocks)
         if mesh.device_type == "cpu":
-            _gloo_collectives(model, plan)
+            _gloo_collectives(model)
         # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
         install_zeropp(
             model,

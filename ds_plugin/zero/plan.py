@@ -121,11 +121,6 @@ class ZeroPlan:
     scheduler: SchedulerConfig | None = None
     """The config's `scheduler` block ("auto" filled where the framework said): built when no scheduler is passed."""
 
-    @property
-    def one_host(self) -> bool:
-        """Whether every rank is on one node (`ranks_per_node` covers the world)."""
-        return self.ranks_per_node >= self.world_size
-
     def check_world(self, world_size: int) -> None:
         """Refuse a mesh of another size than the plan was resolved for.
 

@@ -15,9 +15,8 @@ been accumulated, so it runs while backward computes the rest, as DDP's does. Bu
 the optimizer steps (a parameter unused this step, a `loss.backward()` called outside the engine, a second
 backward in the same step) are reduced then: accumulation micro-steps never communicate, and the result does
 not depend on when a bucket went. Python runs once per parameter per backward (a counter) and once per bucket.
-On gloo with every rank on one host, a bucket's reduce-scatter and the all-gather of the updated shards go round
-a ring of sends and receives (`gloo_comm.ring_reduce_scatter`, `ring_all_gather`), faster than gloo's own; across
-hosts gloo's own collectives are kept.
+On gloo a bucket's reduce-scatter and the all-gather of the updated shards go round a ring of sends and receives
+(`gloo_comm.ring_reduce_scatter`, `ring_all_gather`), faster than gloo's own.
 """
 
 from __future__ import annotations
@@ -147,8 +146,6 @@ class ReplicatedState:
         accum_dtype: dtype gradients accumulate in across micro-steps; wider than `compute_dtype` keeps an
             extra buffer per parameter.
         master_device: where masters and optimizer state live (CPU = offload_optimizer); default the mesh's.
-        one_host: every rank of the mesh is on this host; on gloo the collectives then go round a ring of sends
-            and receives (`gloo_comm`).
     """
 
     def __init__(
@@ -161,7 +158,6 @@ class ReplicatedState:
         reduce_dtype: torch.dtype,
         accum_dtype: torch.dtype,
         master_device: torch.device | None = None,
-        one_host: bool = True,
     ) -> None:
         self.module, self.mesh, self.shard = module, mesh, shard
         self.group = mesh.get_group()
@@ -180,7 +176,7 @@ class ReplicatedState:
                 p.data = p.data.to(compute_dtype).contiguous()
         self._buckets = self._plan()
         self._bucket_of = {s.index: b for b, bucket in enumerate(self._buckets) for s in bucket.slots}
-        self._ring = one_host and dist.get_backend(self.group) == "gloo"
+        self._ring = dist.get_backend(self.group) == "gloo"
         self._accum: dict[int, torch.Tensor] = {}
         # Reductions launched during the current backward: bucket index -> (bucket, output, work).
         self._launched: dict[int, tuple[_Bucket, torch.Tensor, dist.Work]] = {}
@@ -310,7 +306,7 @@ class ReplicatedState:
         if fp16:
             inp.div_(self.world)  # pre-divide: a sum of loss-scaled fp16 gradients can overflow
         if bucket.sharded and self._ring:
-            # gloo on one host: sum into this rank's region in place (its rank-major layout makes it contiguous).
+            # gloo: sum into this rank's region in place (its rank-major layout makes it contiguous).
             out, work = ring_reduce_scatter(inp, self.group, async_op=True)
         elif bucket.sharded:
             out = torch.empty(bucket.numel, dtype=self.reduce_dtype, device=self.device)

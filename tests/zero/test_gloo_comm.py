@@ -5,12 +5,12 @@ landing at once (fp32; bf16, whose reduced chunk FSDP2 casts to the fp32 master'
 fp16, which FSDP2 divides itself and so is never parked). On one host reductions and gathers go round a ring of
 sends and receives: gathers bit for bit gloo's own (in place as FSDP2 calls it, -0.0 and NaN payloads), sums equal
 to gloo's, on 2 ranks (one step) and on 3 (two steps, several rings in flight at once); ranks "on two hosts" take
-gloo's own collectives with the same numbers.
+and the engine trains to the same numbers with gloo's own collectives in the rings' place (stages 1-3).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import pytest
 import torch
@@ -33,13 +33,8 @@ def _overlap(rank: int, world: int) -> dict:
         seen["early"] += len(self._pending) >= self.depth  # the previous unit's reduction lands here
         real_add(self, land)
 
-    def run(stage: int, dtype: str, backwards: int = 1, *, overlap: bool = True, hosts: int = 1) -> tuple:
-        if hosts > 1:  # as if each rank were on its own host: gloo's own collectives
-            os.environ["LOCAL_WORLD_SIZE"] = "1"
-        try:
-            engine = initialize(gpt2(), zero_config(stage, dtype=dtype), make_optimizer("adamw"))
-        finally:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
+    def run(stage: int, dtype: str, backwards: int = 1, *, overlap: bool = True) -> tuple:
+        engine = initialize(gpt2(), zero_config(stage, dtype=dtype), make_optimizer("adamw"))
         comms = _reduce_scatters(engine.module)
         for comm in comms if not overlap else ():
             comm._in_flight = None  # every reduction lands before FSDP2 goes on
@@ -76,12 +71,37 @@ def _overlap(rank: int, world: int) -> dict:
             counts,
             ran[0],
         )
-    # Ranks "on two hosts" take gloo's reduce-scatter and all-gather: stages 2/3, and stage 1's buckets (no FSDP2).
+    # gloo's own reduce-scatter and all-gather in the rings' place: stages 2/3, and stage 1's buckets (no FSDP2).
     overlapped[1, "fp32"] = run(1, "fp32")
-    for stage in (1, 2, 3):
-        out["hosts", stage] = _same(overlapped[stage, "fp32"], run(stage, "fp32", hosts=2))
+    with _gloos_own_collectives():
+        for stage in (1, 2, 3):
+            out["gloo", stage] = _same(overlapped[stage, "fp32"], run(stage, "fp32"))
     out["ring"] = _ring_collectives(rank, world)
     return out
+
+
+@contextlib.contextmanager
+def _gloos_own_collectives():
+    # The rings' callers (FSDP2's comm objects, stage 1's buckets) get gloo's reduce-scatter and all-gather instead.
+    import torch.distributed as dist
+
+    from ds_plugin.zero import gloo_comm, stage1
+
+    def reduce_scatter(input_tensor, group, async_op=False):
+        out = torch.empty_like(input_tensor.view(dist.get_world_size(group), -1)[0])
+        return out, dist.reduce_scatter_tensor(out, input_tensor, group=group, async_op=async_op)
+
+    def all_gather(output, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output, input_tensor, group=group, async_op=async_op)
+
+    saved = [(m, n, getattr(m, n)) for m in (gloo_comm, stage1) for n in ("ring_reduce_scatter", "ring_all_gather")]
+    for m, n, _ in saved:
+        setattr(m, n, reduce_scatter if n == "ring_reduce_scatter" else all_gather)
+    try:
+        yield
+    finally:
+        for m, n, f in saved:
+            setattr(m, n, f)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -147,8 +167,8 @@ def two_ranks() -> list[dict]:
 def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
     for r in two_ranks:
         assert r["ring"] == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}
-        # Ranks on separate hosts take gloo's reduce-scatter and all-gather: the same numbers.
-        assert r["hosts", 1] and r["hosts", 2] and r["hosts", 3]
+        # gloo's reduce-scatter and all-gather in the rings' place: the same numbers.
+        assert r["gloo", 1] and r["gloo", 2] and r["gloo", 3]
         for (stage, dtype, backwards), (same, counts, losses) in (
             (k[1:], v) for k, v in r.items() if k[0] == "overlap"
         ):
