@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 import warnings
@@ -31,6 +30,7 @@ import torch
 from _recipe_common import (
     LORA_TARGETS,
     check_model,
+    greedy,
     load_tokenizer,
     lora_sft_model,
     lora_tolerance,
@@ -39,7 +39,7 @@ from _recipe_common import (
     reload_check,
     reload_lora,
     save_engine_logits,
-    until,
+    warmup_cosine,
 )
 from _recipe_data import DATA as DATA_DIR
 from _recipe_data import (
@@ -70,18 +70,15 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
     return {"input_ids": ids, "attention_mask": mask, "labels": pad([labels for _, labels in batch], -100)[0]}
 
 
-@torch.no_grad()
-def greedy(model: torch.nn.Module, tok, prompts: list[list[int]], device, new_tokens: int = 3) -> list[str]:
-    """Greedy answers to prompts (token ids), left-padded so every row's last token is its own; a fixed number of
-    steps on every rank (each ZeRO-3 forward is a collective)."""
-    ids, mask = pad(prompts, tok.pad_token_id, device, left=True)
-    width = ids.shape[1]
-    for _ in range(new_tokens):
-        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -1]
-        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return [tok.decode(until(row, tok.eos_token_id), skip_special_tokens=True) for row in ids[:, width:].tolist()]
+def lightning_order(length: int, seed: int, world: int, micro_batch: int) -> list[int]:
+    """The row indices in the order that gives process r, as the DataLoader deals batch b to process b % world, the
+    batches Lightning's training sampler gives rank r: a torch.randperm seeded with `seed` (Lightning passes its
+    global seed), rank r taking every world-th index from the r-th (torch's DistributedSampler; `length` is a
+    multiple of world * micro_batch, so it pads nothing)."""
+    order = torch.randperm(length, generator=torch.Generator().manual_seed(seed)).tolist()
+    shares = [order[r::world] for r in range(world)]
+    batches = range(0, length // world, micro_batch)
+    return [i for start in batches for share in shares for i in share[start : start + micro_batch]]
 
 
 @torch.no_grad()
@@ -143,13 +140,16 @@ def main() -> None:
         # Stored INT4 before prepare, whatever the config says; the engine shards the codes under ZeRO-3.
         ds_plugin.quantize_frozen_(model, args.frozen_format)
     train = SftExamples(train_rows, args.steps * args.micro_batch * accelerator.num_processes, tok, seed=args.seed)
+    # Each process gets the rows examples/lora_sft.py's process of the same rank trains on at each step, so that the
+    # two recipes train alike for a --seed: Lightning shuffles the rows (its DistributedSampler), this DataLoader
+    # deals whole batches to the processes in turn.
+    train.rows = [train.rows[i] for i in lightning_order(len(train), args.seed, accelerator.num_processes,
+                                                         args.micro_batch)]  # fmt: skip
     train_dl = DataLoader(train, batch_size=args.micro_batch, collate_fn=partial(collate, pad_id=tok.pad_token_id))
     # Weight decay 0.1: measured single-process, held-out exact match 0.86 after 600 steps, 0.79 without.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
-    # Accelerate steps a prepared scheduler once per process per optimizer step: count in those units.
-    total, warm = args.steps * accelerator.num_processes, max(1, args.steps // 15) * accelerator.num_processes
-    curve = lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))  # noqa: E731
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, curve)
+    # Accelerate steps a prepared scheduler once per process per optimizer step: the factor counts in those units.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps, accelerator.num_processes))
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
 
     history, eval_losses, losses, answers = [], [], [], []  # held-out (step, exact match), (step, answer loss)
