@@ -180,7 +180,7 @@ def test_accelerate_lora_sft(tmp_path, monkeypatch, capsys):
     out = run(cmd, tmp_path, timeout=480)
     result = summary(out, "accelerate_lora_sft")
     loss0, loss1 = result["heldout_answer_loss"]
-    assert loss1 < loss0 - 1.0, result  # held-out answer loss, nats per answer token (measured 4.88 -> 3.10)
+    assert loss1 < loss0 - 1.0, result  # held-out answer loss, nats per answer token (measured 4.87 -> 3.05)
     assert result["metric"] == "heldout_exact_match" and result["after"] >= result["before"], result
     assert "ZeRO stage 3 + qwZ" in out and "on 2 ranks" in out, out[-2000:]  # the --ds-config preset, two processes
     saved = json.loads((tmp_path / "out/summary.json").read_text())
