@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from _recipe_common import (
     LORA_TARGETS,
+    add_lora_sft_args,
     check_model,
     greedy,
     load_tokenizer,
@@ -103,25 +104,7 @@ def evaluate(accelerator: Accelerator, model, tok, held_out: list[dict]) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=600,
-        help="600: about a minute on 2 CPU cores; 500 reached 0.86 held-out exact match at --seed 1, 450 "
-        "0.82-0.83 (lr 2e-3)",
-    )
-    parser.add_argument("--evals", type=int, default=4, help="held-out evals in training (+1 before; 0: none)")
-    parser.add_argument(
-        "--lr",
-        type=float,
-        default=2e-3,
-        help="2e-3: held-out exact match 0.89, 0.91, 0.90 at --seed 0, 1, 2 (0.92, 0.93 at 3, 4); 3e-3: 0.73 at "
-        "seed 0, 1.5e-3: 0.86 at seed 3, 1e-3: 0.81-0.86 (600 steps, measured on a CPU)",
-    )
-    parser.add_argument("--micro-batch", type=int, default=16, help="rows per process per step")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0, help="of the training order (the base is always the same)")
-    parser.add_argument("--frozen-format", default="int4", choices=["int8", "int4", "nf4"])
+    add_lora_sft_args(parser)
     parser.add_argument("--config", default="zeropp", help=f"DeepSpeed config or preset, unless {CONFIG_ENV} is set")
     parser.add_argument("--mixed-precision", default=None, choices=["no", "bf16"], help="default: bf16 on GPUs")
     parser.add_argument("--model", help="a local causal-LM checkpoint and its tokenizer (default: a tiny random Llama)")

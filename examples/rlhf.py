@@ -55,6 +55,7 @@ from _recipe_common import (
     load_tokenizer,
     pad,
     pyplot,
+    recorded_steps,
     reload_check,
     reload_lora,
     save_engine_logits,
@@ -466,15 +467,6 @@ def plot(results: dict, path: Path) -> None:
 TRAINED_FROM = {"sft": (), "reward": (), "ppo": ("sft", "reward"), "dpo": ("sft", "reward")}
 
 
-def recorded_steps(path: Path, results: dict) -> dict:
-    """This run's results with what earlier runs into the same --out-dir recorded in `path` (steps run one at a
-    time, DeepSpeed-Chat's way, add up), less the records of steps trained from a step this run redid."""
-    earlier = json.loads(path.read_text()) if path.is_file() else {}
-    kept = {k: v for k, v in earlier.items() if k not in results and not set(results) & set(TRAINED_FROM.get(k, ()))}
-    order = [k for k in TRAINED_FROM if k in kept or k in results]
-    return {k: results.get(k, kept.get(k)) for k in order}
-
-
 def check_args(args) -> None:
     """A value out of range, or a step that needs an earlier one's output missing from --out-dir: one line on
     stderr and exit code 2 (argparse's), before any model is built or process group started."""
@@ -576,7 +568,7 @@ def main() -> None:
     chosen = ["sft", "reward", "ppo"] if args.step == "all" else [args.step]
     results = {name: steps[name](args) for name in chosen}
     if dist.get_rank() == 0:
-        recorded = recorded_steps(args.out_dir / "summary.json", results)
+        recorded = recorded_steps(args.out_dir / "summary.json", results, TRAINED_FROM)
         plot(recorded, args.out_dir / "rlhf.png")
         (args.out_dir / "summary.json").write_text(json.dumps(recorded))
         for name, r in results.items():

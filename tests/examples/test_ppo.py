@@ -116,7 +116,8 @@ def test_bad_ppo_arguments(args, message, tmp_path, monkeypatch, capsys):
 def test_summary_keeps_the_steps_run_earlier(tmp_path):
     rlhf = importlib.import_module("rlhf")
     path = tmp_path / "summary.json"
-    record = lambda *steps: path.write_text(json.dumps(rlhf.recorded_steps(path, {s: len(s) for s in steps})))  # noqa: E731
+    recorded = lambda steps: rlhf.recorded_steps(path, {s: len(s) for s in steps}, rlhf.TRAINED_FROM)  # noqa: E731
+    record = lambda *steps: path.write_text(json.dumps(recorded(steps)))  # noqa: E731
     record("sft", "reward", "ppo")
     record("dpo")  # DPO after --step all: PPO's record stays (it does not train from DPO)
     assert json.loads(path.read_text()) == {"sft": 3, "reward": 6, "ppo": 3, "dpo": 3}
