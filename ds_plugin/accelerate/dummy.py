@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from accelerate.utils import DummyOptim as AccelerateDummyOptim
-from accelerate.utils import DummyScheduler as AccelerateDummyScheduler
+# From accelerate.utils.deepspeed, not accelerate.utils: the latter exports them only when DeepSpeed is installed,
+# and ds_plugin runs without it. The module itself imports nothing of DeepSpeed, and the classes are the same ones.
+from accelerate.utils.deepspeed import DummyOptim as AccelerateDummyOptim
+from accelerate.utils.deepspeed import DummyScheduler as AccelerateDummyScheduler
 
 __all__ = ["DummyOptim", "DummyScheduler", "EngineScheduler", "auto_values"]
 

@@ -3,6 +3,7 @@
 One process (scripts/dummy_optim.py, in a subprocess with a timeout): the JSON's AdamW + WarmupDecayLR with "auto"
 params, filled from the placeholders, train exactly as a plain torch AdamW with ds_plugin's WarmupDecayLR; the
 scheduler the script steps is the engine's (its `step()` does nothing, so the schedule advances once per step).
+DeepSpeed is hidden from that process: ds_plugin's Accelerate adapter must import and train without it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def test_json_optimizer_and_schedule_train_like_torch(result: dict) -> None:
     assert result["lr"] == pytest.approx(result["reference_lr"], rel=1e-12, abs=0.0)
     assert len(set(result["lr"])) > 10 and max(result["lr"]) == pytest.approx(0.01)  # warmup_max_lr <- DummyOptim.lr
     assert result["max_diff"] <= 1e-6 and result["moved"] > 1e-3
+    assert result["deepspeed_hidden"]  # ran as on a machine without DeepSpeed (accelerate.utils: no DummyOptim)
     assert result["engine_lr"] == pytest.approx([0.01 * 1 / 15])  # stepped once per step: at 19 (it starts at -1)
 
 

@@ -3,20 +3,28 @@
 Writes {"lr": [...], "reference_lr": [...], "max_diff": float, "moved": float, "errors": {...}} to --out. The
 reference is a plain torch AdamW with the values Accelerate's DeepSpeed integration would fill, and ds_plugin's
 WarmupDecayLR (whose rates tests/zero/test_config_optimizer.py holds to DeepSpeed's).
+
+DeepSpeed is hidden from this process (it is not a dependency of ds_plugin; accelerate.utils exports its own
+DummyOptim only when DeepSpeed is installed), so the script runs as it would on a machine without it, and records
+that it did ("deepspeed_hidden").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-import torch
-from accelerate.utils import DummyOptim as AccelerateDummyOptim
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+sys.modules["deepspeed"] = None  # type: ignore[assignment]  # importlib.util.find_spec and import now both miss it
+
+import accelerate.utils  # noqa: E402
+import torch  # noqa: E402
+from accelerate.utils.deepspeed import DummyOptim as AccelerateDummyOptim  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ds_plugin.accelerate import Accelerator, DummyOptim, DummyScheduler, ZeroPlugin
-from ds_plugin.lr_schedules import WarmupDecayLR
+from ds_plugin.lr_schedules import WarmupDecayLR  # noqa: E402
 
 STEPS = 20
 CONFIG = {
@@ -92,6 +100,7 @@ def main() -> None:
         "max_diff": diff,
         "moved": moved,
         "engine_lr": scheduler.get_last_lr(),
+        "deepspeed_hidden": not hasattr(accelerate.utils, "DummyOptim") and "deepspeed" not in sys.modules.values(),
     }
 
     # Accelerate's own placeholder works the same; without an optimizer block it is a one-line error.
