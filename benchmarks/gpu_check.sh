@@ -7,17 +7,19 @@
 #
 # Steps, in order, each its own process under its own time limit (seconds, on the GPU):
 #   env 30            device name, capability, driver, torch/triton/CUDA versions; fails on a GPU run without CUDA
-#   gpu_tests 80      the `gpu` test tier (pytest -m gpu tests)
-#   bench_kernels 140 `ds-plugin bench kernels`: fp6/int4/int8 GEMMs vs bf16 on Llama-2-70B shapes
+#   gpu_tests 100     the `gpu` test tier (pytest -m gpu tests)
+#   bench_kernels 110 `ds-plugin bench kernels`: fp6/int4/int8 GEMMs vs bf16 on Llama-2-70B shapes
 #   quantizer 25      benchmarks/gpu_check.py: the ZeRO++ quantizer's Triton form vs torch, kernel error
 #   fp8 35            `ds-plugin bench fp8 --json --hidden 4096 --steps 20`: FP8 training steps vs bf16
-#   train 110         benchmarks/gpu_train.py: the engine (ZeRO-3 on FSDP2, NCCL, world size 1) training LoRA on a
-#                     1.1B Llama with its frozen base stored bf16, int8, int4, nf4 and fp6
-#   big_model 50      benchmarks/big_model.py (issue 15/19): streaming load of a Llama-2-7B-wide checkpoint cut to 8
+#   train 120         benchmarks/gpu_train.py: the engine (ZeRO-3 on FSDP2, NCCL, world size 1) training LoRA on a
+#                     1.1B Llama with its frozen base stored bf16, int8, int4, nf4 and fp6; int8, int4 and fp6
+#                     again on the torch reference (the kernels' check)
+#   big_model 90      benchmarks/big_model.py (issue 15/19): streaming load of a Llama-2-7B-wide checkpoint cut to 8
 #                     of its 32 layers (1.9B parameters: writing all 13.5 GB would not fit the limit), INT4 base
-# The limits add up to 470 s, so the whole run stays under 8 minutes even when every step runs to its limit
-# (`timeout -k 10`). The limits are estimates made without a GPU: a step past its limit fails the run; rerun it
-# alone with GPU_CHECK_STEPS=<step> GPU_CHECK_LIMIT_<step>=SECONDS. A dry run triples them (a 2-core CPU machine).
+# The limits add up to 510 s (`timeout -k 10`); the steps took 235 s in all on the first H200 run (2026-12-04), and
+# each limit is about 1.5x its step's time there or more (gpu_tests and big_model, which did not finish then, are
+# estimates). A step past its limit fails the run; rerun it alone with GPU_CHECK_STEPS=<step>
+# GPU_CHECK_LIMIT_<step>=SECONDS. A dry run triples them (a 2-core CPU machine).
 #
 # Failures cannot hide: no step runs through a pipe (stdout and stderr go to files, so the status recorded is the
 # command's own), DS_PLUGIN_STRICT_KERNELS=1 makes a failed kernel launch raise instead of falling back to the torch
@@ -29,7 +31,7 @@
 # Triton's cold compiles are bounded by compiling each kernel tiling once per run: one TRITON_CACHE_DIR for every
 # step; the gpu tier, the quantizer check and the training step use the kernels' first-guess tiling (DS_PLUGIN_KERNEL_AUTOTUNE=0: one
 # compile per kernel shape class instead of one per candidate tiling); only `bench kernels`, whose figures are the
-# speed claims, autotunes (its candidate tilings compile inside its own 140 s).
+# speed claims, autotunes (its candidate tilings compile inside its own 110 s).
 #
 # Output, at most 4 files in $OUT (else benchmarks/results/gpu/; the machine returns at most 8): gpu_check.json
 # (every figure; a field the run could not measure is null with a reason), gpu_check.png (when matplotlib imports),
@@ -110,10 +112,10 @@ main() {  # the whole script in one function: bash parses it before running, so 
   }
 
   step env 30 "$py" -m benchmarks.gpu_report env --mode "$mode"
-  step gpu_tests 80 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m pytest -q -p no:cacheprovider -m gpu \
+  step gpu_tests 100 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m pytest -q -p no:cacheprovider -m gpu \
     --junitxml="$work/gpu_tests.xml" tests
   mkdir -p "$work/kernels"
-  step bench_kernels 140 "$py" -m ds_plugin.cli bench kernels --out-dir "$work/kernels"
+  step bench_kernels 110 "$py" -m ds_plugin.cli bench kernels --out-dir "$work/kernels"
   if [ "$mode" = gpu ]; then
     step quantizer 25 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m benchmarks.gpu_check
   else
@@ -122,13 +124,13 @@ main() {  # the whole script in one function: bash parses it before running, so 
   step fp8 35 "$py" -m ds_plugin.cli bench fp8 --json --hidden 4096 --steps 20
   train=(--device cuda --size full --steps 8 --warmup 2)
   [ "$mode" = gpu ] || train=(--device cpu --size tiny --steps 3 --warmup 1)
-  step train 110 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m benchmarks.gpu_train "${train[@]}" --out "$work/train.json"
+  step train 120 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m benchmarks.gpu_train "${train[@]}" --out "$work/train.json"
   if [ ! -f benchmarks/big_model.py ]; then
     skip big_model "benchmarks/big_model.py not in this checkout (issue 15/19)"
   elif [ "$mode" = dry-run ]; then
     skip big_model "7B checkpoint not written on CPU dry run"
   else
-    step big_model 50 "$py" -m benchmarks.big_model --json --device cuda --world-size 1 --format int4 --layers 8 --no-qlora
+    step big_model 90 "$py" -m benchmarks.big_model --json --device cuda --world-size 1 --format int4 --layers 8 --no-qlora
   fi
 
   report_rc=0

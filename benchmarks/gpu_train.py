@@ -9,24 +9,34 @@ with random weights (same seed every time, built in bf16 on the device; nothing 
 projections, `zero_optimization.frozen_format` set to the format ("none" for bf16), then `--steps` AdamW steps on
 one fixed batch. Recorded per format: tokens/s over the steps after `--warmup` (which absorb Triton's compiles),
 peak device memory during the steps and during setup, the loss of every step, whether the quantized-linear kernels
-were the path taken (their launch counter, else linear_op's record of first launches), and the final loss's
-distance from the bf16 run's.
+were the path taken (their launch counter, else linear_op's record of first launches), and the loss's distance
+from the bf16 run's. Each kernel format (int8, int4, fp6) is then trained a second time with every quantized linear
+on the plain-torch reference (`reference_losses`): the same stored weights, the same arithmetic up to rounding.
 
-Why the labels are the bf16 base's own greedy predictions: on a random model a loss on random labels sits near
-ln(vocab) whatever the layers compute (the final norm rescales whatever reaches it), so a broken kernel would pass
-a loss check. Against labels the bf16 base itself predicts, the bf16 run starts far below ln(vocab) and a base that
-computes something else starts near it.
+The labels are the bf16 base's own greedy predictions: against random labels a random model's loss sits near
+ln(vocab) whatever its layers compute, so a broken kernel would pass unseen.
 
 Checks (each a line in "checks"; the exit status is 1 when one fails): every run finished and its losses are finite;
-the adapters moved (the optimizer step is not a no-op) and the loss fell; each quantized run's loss at the first
-step (the untrained base) and after the same steps is within `LOSS_TOLERANCE` (relative) of the bf16 run's; on
-CUDA, int8/int4/fp6 ran the Triton kernels forward and backward. NF4 has no kernel here (the torch reference by
-design), so it is not asked to.
+the adapters moved (the optimizer step is not a no-op) and the loss fell; on CUDA, int8/int4/fp6 ran the Triton
+kernels forward and backward; and each kernel run's losses match its reference run's within `REFERENCE_TOLERANCE`
+(relative: the first step, the untrained base, tightly, as a wrong kernel output is far off there before the
+adapters can learn around it; every later step looser, as rounding differences grow over the steps). NF4 has no
+kernel here (the torch reference by design), so its run is not asked to.
+
+The distance from the bf16 run is recorded, not checked. Stated before any GPU run as 2-8 % (sized on CPU at hidden
+512 x 8 layers), it did not hold on the first GPU run at 1.1B (2026-12-04, H200): first-step gaps 0.11 % (int8),
+4.9 % (fp6), 10.7 % (int4) and 13.1 % (nf4, which runs no kernel), growing to 2-90 % after 8 steps. That is the
+quantization's own effect on this probe, not the kernels' (nf4, on the reference, is the farthest): a random
+22-layer model's greedy predictions have tiny logit margins, so every quantized base starts off the bf16 base's own
+labels, and the bf16 run, which only has to sharpen what it already predicts, falls fastest. It is no measure of a
+quantized base's quality on real weights (`ds-plugin bench frozen-quality` is), and a check on it would be sized
+after the fact, so the kernels are checked against their reference instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -43,13 +53,12 @@ import torch.distributed as dist
 
 FORMATS = ("bf16", "int8", "int4", "nf4", "fp6")
 KERNEL_FORMATS = ("int8", "int4", "fp6")  # the formats ds_plugin/kernels/quant_linear_triton.py takes
-# Largest allowed |loss - bf16's| / bf16's, at the first step and after the same steps, stated before any GPU run.
-# Sized from this script's run on CPU at hidden 512 x 8 layers x vocab 32000 (the torch reference, the same
-# arithmetic as the kernels up to rounding): the largest gap at any of the 8 steps was 0.17 % (int8), 1.6 % (int4),
-# 1.5 % (nf4), 0.57 % (fp6); each limit is about 5x or more of it, so the deeper 1.1B model's larger drift and
-# kernel rounding cannot fail it, while a base that computes something else (untrained loss near ln(vocab), 20 %
-# above the bf16 base's there) fails it by far.
-LOSS_TOLERANCE = {"int8": 0.02, "fp6": 0.03, "int4": 0.08, "nf4": 0.08}
+# Largest allowed |kernel run's loss - reference run's| / reference run's, stated before the GPU run that checks it:
+# at the first step (the untrained base: only output rounding differs, bf16 outputs round at 0.4 % per element and
+# average out over 4096 tokens, while a wrong kernel moves the loss by whole percents, as quantization alone does:
+# 0.1-13 % from bf16's) and at any step (rounding differences grow while training: int8's 0.1 % first-step gap from
+# bf16 became 2.2 % after 8 steps on the first GPU run).
+REFERENCE_TOLERANCE = {"first_step": 0.005, "any_step": 0.05}
 SIZES = {
     # TinyLlama-1.1B's shape with Llama-3's 8 KV heads: 1.10e9 parameters, hidden 2048; batch x seq = 4096 tokens.
     "full": {
@@ -106,6 +115,19 @@ def _kernel_path(fmt: str, before: tuple[dict, dict], device: torch.device) -> d
         )
     evidence = "linear_op.kernel_launches() and backend_calls()"
     return {"kernel_path": path, "kernel_evidence": evidence, "kernel_launches": delta, "kernel_reason": why}
+
+
+@contextlib.contextmanager
+def _reference_only() -> Any:
+    """Every quantized linear on the torch reference while inside (linear_op asks `kernel_backend` on each call)."""
+    from ds_plugin.quant.frozen import linear_op
+
+    saved = linear_op.kernel_backend
+    linear_op.kernel_backend = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        linear_op.kernel_backend = saved
 
 
 def _model(size: dict[str, int], device: torch.device, seed: int) -> torch.nn.Module:
@@ -231,6 +253,20 @@ def train_format(
     return record, labels
 
 
+def _train_reference(record: dict[str, Any], fmt: str, *args: Any) -> None:
+    """Train `fmt` again with every quantized linear on the torch reference; its losses go into `record`."""
+    try:
+        with _reference_only():
+            theirs, _ = train_format(fmt, *args)
+    except Exception as e:  # the kernel run's record stays; the check then fails naming this
+        traceback.print_exc()
+        record["reference_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        gc.collect()
+        return
+    record.update(reference_losses=theirs["losses"], reference_tokens_per_s=theirs["tokens_per_s"])
+    print(f"{fmt} on the torch reference: {theirs['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+
+
 def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The verdicts on a report: one {"check", "ok", "detail"} per check (also fills each run's loss distance).
 
@@ -254,21 +290,28 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         moved = r["adapter_update_norm"] > 0 and r["final_loss"] < losses[0]
         detail = f"adapter moved by {r['adapter_update_norm']:.3g}; loss {losses[0]:.4f} -> {r['final_loss']:.4f}"
         check(f"{fmt}: the optimizer steps train the adapter", moved, detail)
-        if fmt in LOSS_TOLERANCE:
-            tol = LOSS_TOLERANCE[fmt]
-            if ref is None:
-                check(f"{fmt}: final loss within {tol:.0%} of bf16's", False, "no finished bf16 run to compare with")
+        if ref is not None and fmt != "bf16":  # recorded, not checked (the module's docstring says why)
+            r["first_loss_rel_diff_vs_bf16"] = abs(losses[0] - ref["losses"][0]) / ref["losses"][0]
+            r["loss_rel_diff_vs_bf16"] = abs(r["final_loss"] - ref["final_loss"]) / ref["final_loss"]
+        if fmt in KERNEL_FORMATS:
+            first_tol, any_tol = REFERENCE_TOLERANCE["first_step"], REFERENCE_TOLERANCE["any_step"]
+            theirs = r.get("reference_losses")
+            if not theirs:
+                why = r.get("reference_error") or "no reference run"
+                check(f"{fmt}: losses match the torch reference's", False, why)
             else:
-                # The first step's loss is the untrained base's (a base computing something else is far off there,
-                # before the adapters can learn around it); the final one, after the same steps, the training's.
-                first = abs(losses[0] - ref["losses"][0]) / ref["losses"][0]
-                gap = abs(r["final_loss"] - ref["final_loss"]) / ref["final_loss"]
-                r.update(first_loss_rel_diff_vs_bf16=first, loss_rel_diff_vs_bf16=gap, loss_tolerance=tol)
-                r["loss_within_tolerance"] = max(first, gap) <= tol
-                detail = f"{losses[0]:.4f} vs {ref['losses'][0]:.4f} ({first:.2%})"
-                check(f"{fmt}: first-step loss (the untrained base) within {tol:.0%} of bf16's", first <= tol, detail)
-                detail = f"{r['final_loss']:.4f} vs {ref['final_loss']:.4f} ({gap:.2%})"
-                check(f"{fmt}: final loss within {tol:.0%} of bf16's after {len(losses)} steps", gap <= tol, detail)
+                gaps = [abs(a - b) / abs(b) if b else math.inf for a, b in zip(losses, theirs, strict=True)]
+                gaps = [g if math.isfinite(g) else math.inf for g in gaps]
+                r.update(first_loss_rel_diff_vs_reference=gaps[0], loss_rel_diff_vs_reference=max(gaps))
+                r["reference_tolerance"] = REFERENCE_TOLERANCE
+                r["matches_reference"] = gaps[0] <= first_tol and max(gaps) <= any_tol
+                detail = f"{losses[0]:.4f} vs {theirs[0]:.4f} ({gaps[0]:.3%})"
+                check(f"{fmt}: first-step loss within {first_tol:.1%} of the torch reference's", gaps[0] <= first_tol,
+                      detail)  # fmt: skip
+                worst = gaps.index(max(gaps))
+                detail = f"worst at step {worst + 1}: {losses[worst]:.4f} vs {theirs[worst]:.4f} ({gaps[worst]:.2%})"
+                check(f"{fmt}: every step's loss within {any_tol:.0%} of the torch reference's", max(gaps) <= any_tol,
+                      detail)  # fmt: skip
         if fmt in KERNEL_FORMATS and report["device_type"] == "cuda":
             detail = r["kernel_reason"] or f"launches {r['kernel_launches']}"
             check(f"{fmt}: the Triton kernels ran forward and backward", r["kernel_path"] == "triton", detail)
@@ -303,7 +346,7 @@ def run(device: torch.device, size_name: str, steps: int, warmup: int, formats: 
         "lr": LR,
         "kernel_autotune": os.environ.get("DS_PLUGIN_KERNEL_AUTOTUNE", "1") != "0",
         "strict_kernels": os.environ.get("DS_PLUGIN_STRICT_KERNELS") == "1",
-        "loss_tolerance": LOSS_TOLERANCE,
+        "reference_tolerance": REFERENCE_TOLERANCE,
         "formats": {},
         "checks": [],
     }
@@ -314,6 +357,8 @@ def run(device: torch.device, size_name: str, steps: int, warmup: int, formats: 
         try:
             report["formats"][fmt], labels = train_format(fmt, size, device, steps, warmup, ids, labels)
             print(f"{fmt}: {report['formats'][fmt]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+            if fmt in KERNEL_FORMATS:
+                _train_reference(report["formats"][fmt], fmt, size, device, steps, warmup, ids, labels)
         except Exception as e:  # recorded and the next format tried: one GPU window should show every failure
             traceback.print_exc()
             report["formats"][fmt] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}

@@ -23,7 +23,7 @@ from accelerate.utils.deepspeed import DummyOptim as AccelerateDummyOptim  # noq
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from ds_plugin.accelerate import Accelerator, DummyOptim, DummyScheduler, ZeroPlugin
+from ds_plugin.accelerate import Accelerator, DummyOptim, DummyScheduler, ZeroPlugin  # noqa: E402
 from ds_plugin.lr_schedules import WarmupDecayLR  # noqa: E402
 
 STEPS = 20
