@@ -350,9 +350,12 @@ def _quantize_int8(shape: torch.Size, amax: Tensor, chunks: Chunks) -> dict[str,
 
 
 def _int4_absmax(shape: torch.Size, amax: Tensor, chunks: Chunks) -> dict[str, Tensor]:
-    # Symmetric: scale = amax / 7 rounded up to bf16, so round(x / scale) stays in -7..7 and code = that + 8.
+    # Symmetric: scale = amax / 7 rounded up to bf16, so round(x / scale) stays in -7..7 and code = that + 8. A
+    # tensor division, as int8's: CUDA divides by a Python scalar as a multiply by its reciprocal, which rounds
+    # differently, so a GPU would pick other scales and codes than a CPU for the same weight.
     qmax = QMAX[4]
-    scales = round_up_to_bf16(torch.where(amax == 0, 1.0, amax / qmax).clamp(max=scale_cap(4, torch.bfloat16)))
+    scales = amax / torch.full_like(amax, float(qmax))
+    scales = round_up_to_bf16(torch.where(amax == 0, 1.0, scales).clamp(max=scale_cap(4, torch.bfloat16)))
     codes = _integer_codes(shape, scales, qmax, qmax + 1, chunks)
     scales = scales.squeeze(-1).to(torch.bfloat16)
     zeros = torch.full_like(scales, (qmax + 1) * _ZERO_STEPS, dtype=torch.uint8)
@@ -361,7 +364,7 @@ def _int4_absmax(shape: torch.Size, amax: Tensor, chunks: Chunks) -> dict[str, T
 
 def _quantize_fp6(shape: torch.Size, amax: Tensor, chunks: Chunks) -> dict[str, Tensor]:
     # Absmax onto e3m2's largest value, rounded up to bf16 (the int8 rule): x / scale <= 28, so nothing clips.
-    raw = amax / fp6.E3M2_MAX
+    raw = amax / torch.full_like(amax, fp6.E3M2_MAX)  # a tensor division, as int4's
     # A group whose amax / 28 is 0 (all zeros, or underflow) gets scale 1: its codes are then zeros.
     scales = round_up_to_bf16(torch.where(raw == 0, 1.0, raw))
     # fp6.encode_e3m2 without its clamp (nothing exceeds 28 here): e5m2 bytes of x / scale * 2^-12.
