@@ -313,7 +313,18 @@ def _streaming(report: dict[str, Any], work: Path) -> None:
     if not isinstance(data, dict):
         section["reason"] = _step_reason(report, "big_model") or "no JSON"
         return
-    section.update({k: data.get(k) for k in STREAM_FIELDS}, raw=data)
+    streaming_figures(section, data)
+
+
+def streaming_figures(section: dict[str, Any], data: dict[str, Any]) -> None:
+    """Fill the streaming-load section from benchmarks/big_model.py's JSON (its first run: the one format asked for).
+
+    Args:
+        section: the report's "streaming_load" (every `STREAM_FIELDS` key, "raw", "reason").
+        data: what big_model printed: {"runs": [{params, load_s, ...}], ...}.
+    """
+    runs = data.get("runs") or [{}]
+    section.update({k: runs[0].get(k) for k in STREAM_FIELDS}, raw=data)
     missing = [k for k in STREAM_FIELDS if section[k] is None]
     section["reason"] = f"not printed by benchmarks/big_model.py: {', '.join(missing)}" if missing else None
 

@@ -213,7 +213,9 @@ def _gpu_work(tmp_path: Path, backend: str = "triton", passed: int = 8, check_ok
     }
     (work / "train.json").write_text(json.dumps(train))
     (work / "quantizer.stdout").write_text(json.dumps({"runs": []}))
-    (work / "big_model.stdout").write_text(json.dumps({"params": 7e9, "load_s": 30.0, "format": "int4"}))
+    stream = {"params": 7e9, "load_s": 30.0, "format": "int4", "peak_gpu_mb": 9000.0, "peak_rss_mb_per_rank": [2e3]}
+    stream |= {k: 1 for k in ("world_size", "checkpoint_bytes", "quantize_s", "first_step_s", "step_s")}
+    (work / "big_model.stdout").write_text(json.dumps({"benchmark": "big_model", "runs": [stream]}))  # its shape
     return work
 
 
@@ -350,3 +352,12 @@ def test_kernel_path_needs_launches_in_both_passes_and_no_reference_call(monkeyp
     record = gpu_train._kernel_path("int4", ({}, {}), torch.device("cuda"))
     assert record["kernel_path"] == path, record
     assert (record["kernel_reason"] is None) == (path == "triton")
+
+
+def test_streaming_figures_read_what_big_model_printed_on_the_gpu() -> None:
+    # The first GPU run's own big_model output (kept as "raw" in the committed report): every figure is found.
+    committed = json.loads((Path(__file__).resolve().parents[1] / "results" / "gpu_check_h200.json").read_text())
+    section = dict.fromkeys(gpu_report.STREAM_FIELDS) | {"raw": None, "reason": "unread"}
+    gpu_report.streaming_figures(section, committed["streaming_load"]["raw"])
+    assert section["reason"] is None and section["format"] == "int4" and section["load_s"] > 0
+    assert section["params"] == committed["streaming_load"]["raw"]["runs"][0]["params"] > 1e9
