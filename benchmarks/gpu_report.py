@@ -38,6 +38,15 @@ STEPS = ("env", "gpu_tests", "bench_kernels", "quantizer", "fp8", "train", "big_
 # them equal).
 LORA_FORMATS = ("bf16", "int8", "int4", "nf4", "fp6")
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+# A kernel format's run again on the torch reference (benchmarks/gpu_train.py): its losses and the match.
+REFERENCE_FIELDS = (
+    "reference_losses",
+    "reference_tokens_per_s",
+    "first_loss_rel_diff_vs_reference",
+    "loss_rel_diff_vs_reference",
+    "reference_tolerance",
+    "matches_reference",
+)
 LORA_FIELDS = (
     "tokens_per_s",
     "step_s",
@@ -47,12 +56,7 @@ LORA_FIELDS = (
     "final_loss",
     "first_loss_rel_diff_vs_bf16",
     "loss_rel_diff_vs_bf16",
-    "reference_losses",
-    "reference_tokens_per_s",
-    "first_loss_rel_diff_vs_reference",
-    "loss_rel_diff_vs_reference",
-    "reference_tolerance",
-    "matches_reference",
+    *REFERENCE_FIELDS,
     "kernel_path",
     "kernel_evidence",
     "kernel_launches",
@@ -288,21 +292,13 @@ def _lora_reason(fmt: str, entry: dict[str, Any], run: dict[str, Any]) -> str | 
             "loss distance: the bf16 run is the reference" if fmt == "bf16" else "loss distance: no bf16 run"
         )
         missing -= bf16_fields
-    reference_fields = {
-        "reference_losses",
-        "reference_tokens_per_s",
-        "first_loss_rel_diff_vs_reference",
-        "loss_rel_diff_vs_reference",
-        "reference_tolerance",
-        "matches_reference",
-    }
-    if missing & reference_fields:
+    if missing & set(REFERENCE_FIELDS):
         if fmt in ("bf16", "nf4"):
             why = "no kernel: this run is on the torch reference itself"
         else:
             why = run.get("reference_error") or "no reference run"
         reasons.append(f"torch-reference run: {why}")
-        missing -= reference_fields
+        missing -= set(REFERENCE_FIELDS)
     if missing:
         reasons.append(f"not recorded: {', '.join(sorted(missing))}")
     return "; ".join(reasons) or None
