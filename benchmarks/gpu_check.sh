@@ -8,7 +8,8 @@
 # Steps, in order, each its own process under its own time limit (seconds, on the GPU):
 #   env 30            device name, capability, driver, torch/triton/CUDA versions; fails on a GPU run without CUDA
 #   gpu_tests 150     the `gpu` test tier (pytest -m gpu tests)
-#   bench_kernels 110 `ds-plugin bench kernels`: fp6/int4/int8 GEMMs vs bf16 on Llama-2-70B shapes
+#   bench_kernels 150 `ds-plugin bench kernels`: fp6/int4/int8 GEMMs vs bf16 on Llama-2-70B shapes; up to M = 128
+#                     also from CUDA graphs (device time only: what the host adds per call shows)
 #   quantizer 25      benchmarks/gpu_check.py: the ZeRO++ quantizer's Triton form vs torch, kernel error
 #   fp8 35            `ds-plugin bench fp8 --json --hidden 4096 --steps 20`: FP8 training steps vs bf16
 #   train 120         benchmarks/gpu_train.py: the engine (ZeRO-3 on FSDP2, NCCL, world size 1) training LoRA on a
@@ -16,8 +17,9 @@
 #                     again on the torch reference (the kernels' check)
 #   big_model 90      benchmarks/big_model.py (issue 15/19): streaming load of a Llama-2-7B-wide checkpoint cut to 8
 #                     of its 32 layers (1.9B parameters: writing all 13.5 GB would not fit the limit), INT4 base
-# The limits add up to 560 s (`timeout -k 10`); on the first H200 (2026-12-04) the steps took 400 s in all, each
-# limit about 1.2-1.6x its step's time there (gpu_tests: 92 s with Triton's cache warm, past 100 s cold). A step past its limit fails the run; rerun it alone with GPU_CHECK_STEPS=<step>
+# The limits add up to 600 s (`timeout -k 10`); on the first H200 (2026-12-04) the steps took 400 s in all, each
+# limit about 1.2-1.6x its step's time there (gpu_tests: 92 s with Triton's cache warm, past 100 s cold;
+# bench_kernels: 93 s then, before its CUDA-graph timings were added). A step past its limit fails the run; rerun it alone with GPU_CHECK_STEPS=<step>
 # GPU_CHECK_LIMIT_<step>=SECONDS. A dry run triples them (a 2-core CPU machine).
 #
 # Failures cannot hide: no step runs through a pipe (stdout and stderr go to files, so the status recorded is the
@@ -30,7 +32,7 @@
 # Triton's cold compiles are bounded by compiling each kernel tiling once per run: one TRITON_CACHE_DIR for every
 # step; the gpu tier, the quantizer check and the training step use the kernels' first-guess tiling (DS_PLUGIN_KERNEL_AUTOTUNE=0: one
 # compile per kernel shape class instead of one per candidate tiling); only `bench kernels`, whose figures are the
-# speed claims, autotunes (its candidate tilings compile inside its own 110 s).
+# speed claims, autotunes (its candidate tilings compile inside its own 150 s).
 #
 # Output, at most 4 files in $OUT (else benchmarks/results/gpu/; the machine returns at most 8): gpu_check.json
 # (every figure; a field the run could not measure is null with a reason), gpu_check.png (when matplotlib imports),
@@ -114,7 +116,7 @@ main() {  # the whole script in one function: bash parses it before running, so 
   step gpu_tests 150 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m pytest -q -p no:cacheprovider -m gpu --durations=15 \
     --junitxml="$work/gpu_tests.xml" tests
   mkdir -p "$work/kernels"
-  step bench_kernels 110 "$py" -m ds_plugin.cli bench kernels --out-dir "$work/kernels"
+  step bench_kernels 150 "$py" -m ds_plugin.cli bench kernels --out-dir "$work/kernels"
   if [ "$mode" = gpu ]; then
     step quantizer 25 env DS_PLUGIN_KERNEL_AUTOTUNE=0 "$py" -m benchmarks.gpu_check
   else

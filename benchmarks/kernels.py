@@ -7,9 +7,13 @@ M = 4096 also the backward ``dx = dy @ W``. Each row gives the latency, the bf16
 the achieved bandwidth (weight, activation and output bytes over the latency) as a fraction of the device's peak.
 
 Times are ``triton.testing.do_bench`` medians: L2 flushed before every call, so W streams from HBM as it would in
-a model. Weights hold random codes and scales (timing does not depend on the values; the tests check the maths).
-Writes ``kernels-<device>-<date>.json`` (and ``.png`` when matplotlib imports) to ``--out-dir`` ($OUT, else
-``benchmarks/results``). Without a CUDA GPU it says so and exits 0.
+a model. Up to M = 128 each forward row also gives ``graph_latency_us`` and ``bf16_graph_latency_us``: the same call
+replayed from a CUDA graph, each replay after an L2 flush whose own graph time is subtracted, so the host's launch
+cost is left out and only the device's time remains (null where capture failed, with ``graph_error``). The gap
+between a row's two latencies is what the host adds per call: where it is large, the product is bound by Python
+and the launch path, not by the kernel. Weights hold random codes and scales (timing does not depend on the
+values; the tests check the maths). Writes ``kernels-<device>-<date>.json`` (and ``.png`` when matplotlib imports)
+to ``--out-dir`` ($OUT, else ``benchmarks/results``). Without a CUDA GPU it says so and exits 0.
 
 Each row's ``"backend"`` is what served it, read from the op's counters (:func:`~ds_plugin.quant.frozen.linear_op.
 kernel_launches`, :func:`~ds_plugin.quant.frozen.linear_op.backend_calls`): "triton" when the kernel launched and
@@ -47,6 +51,7 @@ SKIP_MESSAGE = "needs a CUDA GPU"
 LLAMA2_70B_SHAPES = ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672))
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 4096)
 BACKWARD_M = 4096
+GRAPH_MAX_M = 128  # forward rows also timed from a CUDA graph: where the host's launch cost can rival the kernel's
 FORMATS = ("fp6", "int4", "int8")
 GROUP_SIZE = {"fp6": 128, "int4": 64, "int8": 128}
 # HBM bandwidth by device name, most specific first (vendor datasheets, bytes/s).
@@ -91,6 +96,23 @@ def _median_us(fn: Any) -> float:
     fn()  # compiles and autotunes outside do_bench, whose first calls size its repetitions
     torch.cuda.synchronize()
     return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _graph_us(fn: Any) -> tuple[float | None, str | None]:
+    """``(device us, None)`` of one ``fn()`` replayed from a CUDA graph after an L2 flush (the flush's own time
+    subtracted), or ``(None, why)``: off CUDA, or where ``fn`` cannot be captured."""
+    if not torch.cuda.is_available():
+        return None, SKIP_MESSAGE
+    import triton.testing
+
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")  # do_bench's L2 flush, 256 MiB
+    try:
+        both = triton.testing.do_bench_cudagraph(lambda: (flush.zero_(), fn()), rep=20, return_mode="median")
+        alone = triton.testing.do_bench_cudagraph(flush.zero_, rep=20, return_mode="median")
+    except Exception as e:  # a capture error is a finding for this row, not the end of the benchmark
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return 1e3 * max(both - alone, 0.0), None
 
 
 def _gemlite_int4(w_shape: tuple[int, int], device: torch.device, gen: torch.Generator) -> Any | None:
@@ -228,6 +250,8 @@ def _shape_rows(
             )
             rows.append(_row(fmt, n, k, m, "fwd", us, bf16_us, weight_bytes[fmt] + act_bytes, peak, backend))
             logger.info("%s N=%d K=%d M=%d: %.1f us (bf16 %.1f us, %s)", fmt, n, k, m, us, bf16_us, backend)
+        if m <= GRAPH_MAX_M:
+            _add_graph_times(rows[-len(formats) :], x, w, stored)
         if gl is not None:
             try:
                 us = _median_us(lambda: gl(x))  # noqa: B023
@@ -247,6 +271,17 @@ def _shape_rows(
             nbytes = weight_bytes[fmt] + act_bytes
             rows.append(_row(fmt, n, k, backward_m, "bwd", us, bf16_us, nbytes, peak, backend))
     return rows
+
+
+def _add_graph_times(rows: list[dict[str, Any]], x: torch.Tensor, w: torch.Tensor, stored: dict[str, Any]) -> None:
+    """Add the CUDA-graph (device-only) latencies to one M's forward rows, ours and bf16's."""
+    from ds_plugin.quant.frozen.linear_op import quantized_linear
+
+    bf16_graph, bf16_error = _graph_us(lambda: torch.matmul(x, w.t()))
+    for r in rows:
+        f = r["kernel"]
+        us, error = _graph_us(lambda f=f: quantized_linear(x, stored[f], f, GROUP_SIZE[f], None))
+        r.update(graph_latency_us=us, bf16_graph_latency_us=bf16_graph, graph_error=error or bf16_error)
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> Path:

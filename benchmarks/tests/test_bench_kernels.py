@@ -163,7 +163,12 @@ def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "_median_us", lambda fn: fn() is None or float(next(ticks)))
     rows = bench.benchmark(torch.device("cpu"), ((32, 128),), (1, 3), gemlite=False, backward_m=3)
     keys = ["kernel", "N", "K", "M", "pass", "latency_us", "bf16_latency_us", "speedup_vs_bf16", "bandwidth_fraction"]
-    assert all(list(r) == [*keys, "backend"] for r in rows)
+    graph = ["graph_latency_us", "bf16_graph_latency_us", "graph_error"]
+    assert all(list(r) == [*keys, "backend", *(graph if r["pass"] == "fwd" else [])] for r in rows)
+    # Off CUDA nothing is timed from a graph, and each row says why.
+    assert {(r.get("graph_latency_us"), r.get("graph_error")) for r in rows if r["pass"] == "fwd"} == {
+        (None, "needs a CUDA GPU")
+    }
     assert {r["backend"] for r in rows} == {"triton"} and bench.check_kernel_rows(rows) == []
     assert [(r["kernel"], r["M"], r["pass"]) for r in rows] == [
         *[(f, m, "fwd") for m in (1, 3) for f in ("fp6", "int4", "int8")],
@@ -175,6 +180,30 @@ def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
     path = bench.write_report(report, tmp_path)
     assert path.name == "kernels-nvidia-h100-80gb-hbm3-2026-01-02.json"
     assert list(json.loads(path.read_text())) == ["device", "torch", "triton", "date", "rows"]
+
+
+def test_bench_kernels_graph_times_up_to_m_128(interpreter, monkeypatch):
+    # The device-only latencies go on the forward rows with M <= GRAPH_MAX_M, each from its own capture: ours
+    # per format, bf16's once per M.
+    from benchmarks import kernels as bench
+
+    monkeypatch.setattr(bench, "_median_us", lambda fn: fn() is None or 10.0)
+    captured = []
+
+    def graph_us(fn):
+        fn()
+        captured.append(fn)
+        return float(len(captured)), None
+
+    monkeypatch.setattr(bench, "_graph_us", graph_us)
+    monkeypatch.setattr(bench, "GRAPH_MAX_M", 2)
+    rows = bench.benchmark(torch.device("cpu"), ((32, 128),), (1, 3), formats=("int4", "fp6"), gemlite=False,
+                           backward_m=3)  # fmt: skip
+    timed = [
+        (r["kernel"], r["M"], r["graph_latency_us"], r["bf16_graph_latency_us"]) for r in rows if "graph_error" in r
+    ]
+    assert timed == [("int4", 1, 2.0, 1.0), ("fp6", 1, 3.0, 1.0)]  # M = 3 > 2 and the backward: none
+    assert len(captured) == 3
 
 
 def test_check_kernel_rows_names_each_row_the_kernels_did_not_serve():
