@@ -136,7 +136,7 @@ def candidate_tilings(group: int = 128, k: int = 8192) -> list[tuple[str, str, q
     """Every (kind, shape class, tiling) the op may time for a weight of this group and K, adjusted to it."""
     out = [("fwd", label, c) for label, m in _SHAPE_CLASSES for c in qlt.forward_configs(m, group, k)]
     backward = (_SHAPE_CLASSES[0], ("M>16", 4096))
-    return out + [("bwd", label, c) for label, m in backward for c in qlt.backward_configs(m)]
+    return out + [("bwd", label, c) for label, m in backward for c in qlt.backward_configs(m, group)]
 
 
 def report(arch: int = 90, formats: tuple[str, ...] = qlt.KERNEL_FORMATS, progress: bool = True) -> dict[str, Any]:

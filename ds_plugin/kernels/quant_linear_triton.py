@@ -538,5 +538,5 @@ def linear_backward(
         return dx.view(*grad_out.shape[:-1], k)
     if n == 0:
         return dx.zero_().view(*grad_out.shape[:-1], k)
-    backward_launch(dy, fmt, codes, scales, zeros, group_size, config or backward_configs(m)[0], dx).run()
+    backward_launch(dy, fmt, codes, scales, zeros, group_size, config or backward_configs(m, group_size)[0], dx).run()
     return dx.view(*grad_out.shape[:-1], k)

@@ -322,7 +322,7 @@ def _whole_frozen_head(model: nn.Module, plan: ZeroPlan) -> nn.Module | None:
         return None
     ends = dict(_separate_ends(model, plan.reshard_after_forward))
     try:
-        head = model.get_output_embeddings()
+        head = _names_its_ends(model).get_output_embeddings()
     except (AttributeError, NotImplementedError, TypeError):
         return None
     if not isinstance(head, nn.Module) or head not in ends:
@@ -337,11 +337,13 @@ def _separate_ends(model: nn.Module, reshard_after_forward: bool | int) -> list[
     """The input embedding and output head to shard as units of their own, with each one's reshard setting.
 
     Only at stage 3 (stage 2 keeps every weight gathered until backward anyway), only for a model that names them
-    (`get_input_embeddings` / `get_output_embeddings`, as transformers and peft models do), and neither when they
-    share a parameter (tied: one parameter cannot live in two units, so the root keeps both).
+    (`get_input_embeddings` / `get_output_embeddings`, as transformers and peft models do; or that holds one, as a
+    LightningModule holds its transformers model), and neither when they share a parameter (tied: one parameter
+    cannot live in two units, so the root keeps both).
     """
     if reshard_after_forward is False:
         return []
+    model = _names_its_ends(model)
     ends = []
     for getter, after_forward in (
         ("get_input_embeddings", reshard_after_forward),
@@ -356,6 +358,19 @@ def _separate_ends(model: nn.Module, reshard_after_forward: bool | int) -> list[
     if len(ends) == 2 and {id(p) for p in ends[0][0].parameters()} & {id(p) for p in ends[1][0].parameters()}:
         return []
     return ends
+
+
+def _names_its_ends(model: nn.Module) -> nn.Module:
+    """``model`` when it names its input embedding or output head, else the first module inside it that does (a
+    LightningModule's or a user's wrapper around a transformers model), else ``model``."""
+    for module in model.modules():
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                if isinstance(getattr(module, getter)(), nn.Module):
+                    return module
+            except (AttributeError, NotImplementedError, TypeError):
+                continue
+    return model
 
 
 @torch.no_grad()

@@ -168,6 +168,15 @@ class _EmbedThenBlocks(nn.Module):
         return h.sum()
 
 
+class _Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = llama()
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
 def _sharded_after_forward(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -187,15 +196,18 @@ def _sharded_after_forward(rank: int, world: int) -> dict:
     # A transformers model names its input embedding and output head: untied (Llama), each is a unit of its own at
     # stage 3; tied (GPT-2), the root keeps the shared weight. Stage 2 keeps every weight gathered until backward.
     x = torch.arange(8).view(1, 8)
-    for name, build, stage in (("llama3", llama, 3), ("gpt2_3", gpt2, 3), ("llama2", llama, 2)):
+    # Wrapped in a module that names neither (a LightningModule holding the model): found inside it all the same.
+    builds = (("llama3", llama, 3), ("gpt2_3", gpt2, 3), ("llama2", llama, 2), ("wrapped3", _Wrapped, 3))
+    for name, build, stage in builds:
         model = build()
         apply_zero(model, zero_config(stage))
-        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        inner = getattr(model, "inner", model)
+        embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
         loss = model(input_ids=x, labels=x).loss
         between = {
             "embedding": isinstance(embedding.weight, DTensor),
             "head": isinstance(head.weight, DTensor),
-            "norm": isinstance(model.model.norm.weight if name != "gpt2_3" else model.transformer.ln_f.weight, DTensor),
+            "norm": isinstance(inner.model.norm.weight if name != "gpt2_3" else inner.transformer.ln_f.weight, DTensor),
         }
         loss.backward()
         out[name] = {
@@ -222,10 +234,11 @@ def test_untied_embedding_and_head_are_units_of_their_own_at_stage3(four_ranks):
     for res in (r["sharded"] for r in four_ranks):
         assert res["llama3"]["between"] == {"embedding": True, "head": False, "norm": False}, res
         assert res["llama3"]["units"] == 2 and res["llama3"]["after"], res
+        assert res["wrapped3"] == res["llama3"], res
         # Tied (GPT-2): one weight, kept by the root and gathered from forward to backward.
         assert res["gpt2_3"]["between"] == {"embedding": False, "head": False, "norm": False}, res
         assert res["gpt2_3"]["units"] == 0, res
         # Stage 2: nothing is freed between forward and backward, so nothing is split off.
         assert res["llama2"]["between"] == {"embedding": False, "head": False, "norm": False}, res
         assert res["llama2"]["units"] == 0, res
-        assert all(res[k]["grads"] for k in ("llama3", "gpt2_3", "llama2")), res
+        assert all(res[k]["grads"] for k in ("llama3", "gpt2_3", "llama2", "wrapped3")), res

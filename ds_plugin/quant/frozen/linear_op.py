@@ -277,7 +277,7 @@ def quantized_linear_grad_input(
         def run(cfg: Any) -> Tensor:
             return kernels.linear_backward(grad_out, fmt, codes, scales, zeros, group_size, in_features, config=cfg)
 
-        dx = _launch(key, lambda: run(_tuned(key, kernels.backward_configs(m), run)))
+        dx = _launch(key, lambda: run(_tuned(key, kernels.backward_configs(m, group_size), run)))
         if dx is not None:
             return dx
     _served("bwd", fmt, "reference")
