@@ -95,17 +95,6 @@ class LoRASFT(pl.LightningModule):
         if self.model is None:
             self.model = lora_sft_model(self.lora_rank, self.model_path, self.frozen_format)
 
-    # The engine shards the module the strategy gives it, this LightningModule: it finds the input embedding and the
-    # output head (to shard each as a unit of its own, and to keep the frozen head whole, out of qwZ's INT8
-    # rounding) through these two methods, as on a transformers model, which the Accelerate recipe hands it. Without
-    # them the head went through qwZ here and not there: held-out answer loss before training 4.910 here, 4.900
-    # there (4.900 with exact weights).
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.model.get_input_embeddings()
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self.model.get_output_embeddings()
-
     def forward(self, **batch: torch.Tensor):
         return self.model(**batch)  # through the strategy's root module, which gathers the root's weights
 
