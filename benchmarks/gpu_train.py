@@ -29,7 +29,7 @@ The distance from the bf16 run is recorded, not checked. Stated before any GPU r
 quantization's own effect on this probe, not the kernels' (nf4, on the reference, is the farthest): a random
 22-layer model's greedy predictions have tiny logit margins, so every quantized base starts off the bf16 base's own
 labels, and the bf16 run, which only has to sharpen what it already predicts, falls fastest. It is no measure of a
-quantized base's quality on real weights (`ds-plugin bench frozen-quality` is), and a check on it would be sized
+quantized base's quality on real weights (`python -m benchmarks.frozen_quality` is), and a check on it would be sized
 after the fact, so the kernels are checked against their reference instead.
 """
 
