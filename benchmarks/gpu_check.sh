@@ -8,8 +8,8 @@
 # Steps, in order, each its own process under its own time limit (seconds, on the GPU):
 #   env 30            device name, capability, driver, torch/triton/CUDA versions; fails on a GPU run without CUDA
 #   gpu_tests 150     the `gpu` test tier (pytest -m gpu tests)
-#   bench_kernels 150 `ds-plugin bench kernels`: fp6/int4/int8 GEMMs vs bf16 on Llama-2-70B shapes; up to M = 128
-#                     also from CUDA graphs (device time only: what the host adds per call shows)
+#   bench_kernels 150 `ds-plugin bench kernels`: fp6/int4/int8 GEMMs vs bf16 on Llama-2-70B shapes; at M = 1, 16
+#                     and 128 also from CUDA graphs (device time only: what the host adds per call shows)
 #   quantizer 25      benchmarks/gpu_check.py: the ZeRO++ quantizer's Triton form vs torch, kernel error
 #   fp8 35            `ds-plugin bench fp8 --json --hidden 4096 --steps 20`: FP8 training steps vs bf16
 #   train 120         benchmarks/gpu_train.py: the engine (ZeRO-3 on FSDP2, NCCL, world size 1) training LoRA on a

@@ -164,9 +164,9 @@ def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
     rows = bench.benchmark(torch.device("cpu"), ((32, 128),), (1, 3), gemlite=False, backward_m=3)
     keys = ["kernel", "N", "K", "M", "pass", "latency_us", "bf16_latency_us", "speedup_vs_bf16", "bandwidth_fraction"]
     graph = ["graph_latency_us", "bf16_graph_latency_us", "graph_error"]
-    assert all(list(r) == [*keys, "backend", *(graph if r["pass"] == "fwd" else [])] for r in rows)
+    assert all(list(r) == [*keys, "backend", *(graph if (r["pass"], r["M"]) == ("fwd", 1) else [])] for r in rows)
     # Off CUDA nothing is timed from a graph, and each row says why.
-    assert {(r.get("graph_latency_us"), r.get("graph_error")) for r in rows if r["pass"] == "fwd"} == {
+    assert {(r["graph_latency_us"], r["graph_error"]) for r in rows if "graph_error" in r} == {
         (None, "needs a CUDA GPU")
     }
     assert {r["backend"] for r in rows} == {"triton"} and bench.check_kernel_rows(rows) == []
@@ -182,8 +182,8 @@ def test_bench_kernels_rows_and_report(interpreter, monkeypatch, tmp_path):
     assert list(json.loads(path.read_text())) == ["device", "torch", "triton", "date", "rows"]
 
 
-def test_bench_kernels_graph_times_up_to_m_128(interpreter, monkeypatch):
-    # The device-only latencies go on the forward rows with M <= GRAPH_MAX_M, each from its own capture: ours
+def test_bench_kernels_graph_times_at_chosen_m(interpreter, monkeypatch):
+    # The device-only latencies go on the forward rows with M in GRAPH_M_VALUES, each from its own capture: ours
     # per format, bf16's once per M.
     from benchmarks import kernels as bench
 
@@ -196,13 +196,13 @@ def test_bench_kernels_graph_times_up_to_m_128(interpreter, monkeypatch):
         return float(len(captured)), None
 
     monkeypatch.setattr(bench, "_graph_us", graph_us)
-    monkeypatch.setattr(bench, "GRAPH_MAX_M", 2)
+    monkeypatch.setattr(bench, "GRAPH_M_VALUES", (1,))
     rows = bench.benchmark(torch.device("cpu"), ((32, 128),), (1, 3), formats=("int4", "fp6"), gemlite=False,
                            backward_m=3)  # fmt: skip
     timed = [
         (r["kernel"], r["M"], r["graph_latency_us"], r["bf16_graph_latency_us"]) for r in rows if "graph_error" in r
     ]
-    assert timed == [("int4", 1, 2.0, 1.0), ("fp6", 1, 3.0, 1.0)]  # M = 3 > 2 and the backward: none
+    assert timed == [("int4", 1, 2.0, 1.0), ("fp6", 1, 3.0, 1.0)]  # M = 3 and the backward: none
     assert len(captured) == 3
 
 
