@@ -36,7 +36,6 @@ after the fact, so the kernels are checked against their reference instead.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -115,19 +114,6 @@ def _kernel_path(fmt: str, before: tuple[dict, dict], device: torch.device) -> d
         )
     evidence = "linear_op.kernel_launches() and backend_calls()"
     return {"kernel_path": path, "kernel_evidence": evidence, "kernel_launches": delta, "kernel_reason": why}
-
-
-@contextlib.contextmanager
-def _reference_only() -> Any:
-    """Every quantized linear on the torch reference while inside (linear_op asks `kernel_backend` on each call)."""
-    from ds_plugin.quant.frozen import linear_op
-
-    saved = linear_op.kernel_backend
-    linear_op.kernel_backend = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        linear_op.kernel_backend = saved
 
 
 def _model(size: dict[str, int], device: torch.device, seed: int) -> torch.nn.Module:
@@ -255,8 +241,10 @@ def train_format(
 
 def _train_reference(record: dict[str, Any], fmt: str, *args: Any) -> None:
     """Train `fmt` again with every quantized linear on the torch reference; its losses go into `record`."""
+    from ds_plugin.quant.frozen.linear_op import reference_only
+
     try:
-        with _reference_only():
+        with reference_only():
             theirs, _ = train_format(fmt, *args)
     except Exception as e:  # the kernel run's record stays; the check then fails naming this
         traceback.print_exc()
@@ -300,8 +288,11 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
                 why = r.get("reference_error") or "no reference run"
                 check(f"{fmt}: losses match the torch reference's", False, why)
             else:
-                gaps = [abs(a - b) / abs(b) if b else math.inf for a, b in zip(losses, theirs, strict=True)]
-                gaps = [g if math.isfinite(g) else math.inf for g in gaps]
+                # A nan or a zero reference counts as infinitely far: it fails both checks.
+                gaps = [
+                    abs(a - b) / abs(b) if b and math.isfinite(a - b) else math.inf
+                    for a, b in zip(losses, theirs, strict=True)
+                ]
                 r.update(first_loss_rel_diff_vs_reference=gaps[0], loss_rel_diff_vs_reference=max(gaps))
                 r["reference_tolerance"] = REFERENCE_TOLERANCE
                 r["matches_reference"] = gaps[0] <= first_tol and max(gaps) <= any_tol

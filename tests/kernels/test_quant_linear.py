@@ -189,6 +189,9 @@ def test_dispatch_rules(monkeypatch):
     assert linear_op.kernel_backend(x, "fp6", 64, 16) is qlt
     assert linear_op.kernel_backend(x, "nf4", 64, 16) is None  # NF4 stays on the reference
     assert linear_op.kernel_backend(x.float(), "int8", 64, 16) is None  # fp32 activations: the reference
+    with linear_op.reference_only(), linear_op.reference_only():  # nested: the reference until the outer one ends
+        assert linear_op.kernel_backend(x, "fp6", 64, 16) is None
+    assert linear_op.kernel_backend(x, "fp6", 64, 16) is qlt
     assert not qlt.supports("int4", torch.bfloat16, 36, 12)  # codes are read as 32-bit words: K % 8
     assert qlt.supports("int8", torch.float16, 36, 12)
 

@@ -30,12 +30,13 @@ latest call, so a benchmark or a test can tell the kernels from the reference in
 """
 
 import collections
+import contextlib
 import functools
 import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -47,7 +48,7 @@ from ds_plugin.quant import KernelLaunchError, interpreter_requested, strict_ker
 from ds_plugin.quant.frozen.codecs import dequantize_weight
 
 __all__ = ["backend_calls", "kernel_backend", "kernel_launches", "last_backend", "parts_list", "quantized_linear"]
-__all__ += ["quantized_linear_grad_input"]
+__all__ += ["quantized_linear_grad_input", "reference_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ _KERNEL_MODULE = "ds_plugin.kernels.quant_linear_triton"
 
 def _new_state() -> dict[str, Any]:
     # calls: op calls per (pass, format, backend); last: the backend of the latest call.
-    return {"verified": set(), "failed": {}, "tuned": {}, "calls": collections.Counter(), "last": None}
+    # reference_only: how many `reference_only()` blocks are open (every call then takes the torch reference).
+    state: dict[str, Any] = {"verified": set(), "failed": {}, "tuned": {}, "calls": collections.Counter()}
+    return state | {"last": None, "reference_only": 0}
 
 
 _state = _new_state()
@@ -136,12 +139,23 @@ def kernel_backend(t: Tensor, fmt: str, in_features: int, group_size: int, kind:
         group_size: its group size.
         kind: "fwd" or "bwd" (a pass whose first launch failed stays on the reference).
     """
-    if fmt == "nf4" or not (t.is_cuda or interpreter_requested()):  # checked first: CPU never imports triton
-        return None
+    if fmt == "nf4" or not (t.is_cuda or interpreter_requested()) or _state["reference_only"]:
+        return None  # checked first: CPU never imports triton
     kernels = _kernel_module()
     if kernels is None or not kernels.supports(fmt, t.dtype, in_features, group_size):
         return None
     return None if (kind, fmt, t.dtype) in _state["failed"] and not strict_kernels() else kernels
+
+
+@contextlib.contextmanager
+def reference_only() -> Iterator[None]:
+    """Inside the block every quantized linear runs the plain-torch reference, kernels or not: the same stored
+    weights through the arithmetic the kernels are checked against (a benchmark's baseline, a kernel's check)."""
+    _state["reference_only"] += 1
+    try:
+        yield
+    finally:
+        _state["reference_only"] -= 1
 
 
 def _m_class(rows: int) -> int:
