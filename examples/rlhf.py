@@ -54,15 +54,14 @@ from _recipe_common import (
     check_model,
     load_tokenizer,
     pad,
-    pyplot,
     recorded_steps,
     reload_check,
     reload_lora,
     save_engine_logits,
-    save_figure,
     until,
 )
 from _recipe_data import SFT, DataError, answer_loss_sums, fail, fraction, load_rows, sft_batch
+from _rlhf_chart import plot
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.optim import AdamW
 from tqdm import tqdm
@@ -437,30 +436,6 @@ def step_ppo(args) -> dict:
                 p.copy_(t)
     result["reload_max_diff"] = check_reload(actor, folder, reload, "pref")
     return result
-
-
-def plot(results: dict, path: Path) -> None:
-    if (plt := pyplot()) is None:
-        return
-    titles = {"sft": "1. SFT (LoRA, INT4 base)", "reward": "2. reward model", "ppo": "3. PPO (actor loss)",
-              "dpo": "3. DPO (INT8 reference)"}  # fmt: skip
-    fig, axes = plt.subplots(1, len(results), figsize=(4.7 * len(results), 3.8), squeeze=False)
-    for ax, (name, r) in zip(axes[0], results.items(), strict=True):
-        ax.plot(r["curve"], lw=0.8)
-        ax.set(xlabel="step", ylabel="train loss (mean over ranks)")
-        ax.set_title(f"{titles[name]}\n{r['metric']} {r['before']:.2f} -> {r['after']:.2f}", fontsize=10)
-        if name == "dpo":
-            steps, acc, _, score = zip(*r["evals"], strict=True)
-            twin = ax.twinx()
-            twin.plot(steps, score, "o-", color="C1", label="reward-model score of samples (before, after)")
-            twin.plot(steps, acc, "s--", color="C2", label="held-out preference accuracy (before, after)")
-            twin.legend(loc="center left", fontsize=8)
-        if name == "ppo":
-            twin = ax.twinx()
-            twin.plot([i["score"] for i in r["iterations"]], color="C1", lw=0.8, label="reward-model score of rollouts")
-            twin.plot([i["kl"] for i in r["iterations"]], color="C2", lw=0.8, label="KL to the reference (nats)")
-            twin.legend(loc="upper left", fontsize=8)
-    save_figure(fig, path)
 
 
 # The steps each step trains from: a step run again makes what was recorded for these out of date.
