@@ -17,9 +17,10 @@
 #                     again on the torch reference (the kernels' check)
 #   big_model 90      benchmarks/big_model.py (issue 15/19): streaming load of a Llama-2-7B-wide checkpoint cut to 8
 #                     of its 32 layers (1.9B parameters: writing all 13.5 GB would not fit the limit), INT4 base
-# The limits add up to 600 s (`timeout -k 10`); on the first H200 (2026-12-04) the steps took 400 s in all, each
-# limit about 1.2-1.6x its step's time there (gpu_tests: 92 s with Triton's cache warm, past 100 s cold;
-# bench_kernels: 93 s then, before its CUDA-graph timings were added). A step past its limit fails the run; rerun it alone with GPU_CHECK_STEPS=<step>
+# The limits add up to 600 s (`timeout -k 10`): a ceiling, not the expected time. On the first H200 (2026-12-04)
+# the steps took 400 s in all, each limit about 1.2-1.6x its step's time there (gpu_tests: 92 s with Triton's cache
+# warm, past 100 s cold; bench_kernels: 93 s, before its CUDA-graph timings were added), so about 7 minutes is
+# expected. A step past its limit fails the run; rerun it alone with GPU_CHECK_STEPS=<step>
 # GPU_CHECK_LIMIT_<step>=SECONDS. A dry run triples them (a 2-core CPU machine).
 #
 # Failures cannot hide: no step runs through a pipe (stdout and stderr go to files, so the status recorded is the

@@ -100,7 +100,7 @@ def main() -> None:
         "max_diff": diff,
         "moved": moved,
         "engine_lr": scheduler.get_last_lr(),
-        "deepspeed_hidden": not hasattr(accelerate.utils, "DummyOptim") and "deepspeed" not in sys.modules.values(),
+        "deepspeed_hidden": not hasattr(accelerate.utils, "DummyOptim") and sys.modules.get("deepspeed") is None,
     }
 
     # Accelerate's own placeholder works the same; without an optimizer block it is a one-line error.
