@@ -34,7 +34,7 @@ from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device,
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
 from ds_plugin.zero.wrap import BlockTypes, find_blocks
-from ds_plugin.zero.zeropp import install_zeropp
+from ds_plugin.zero.zeropp import install_zeropp, quantized_collectives
 
 __all__ = ["apply_plan", "apply_zero", "broadcast_module_states", "is_zero_applied", "mixed_precision_policy"]
 
@@ -235,8 +235,8 @@ def _block_reshard(block: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) ->
 
 def _gloo_collectives(model: nn.Module) -> None:
     # FSDP2 on gloo: every unit's gradient reduction lands while the next unit's backward runs, and reductions and
-    # all-gathers go round a ring of sends and receives, faster than gloo's own (see `gloo_comm`). qwZ / qgZ,
-    # installed after this, replace what they quantize.
+    # all-gathers go round a ring of sends and receives, faster than gloo's own (see `gloo_comm`). Where ZeRO++
+    # installed qwZ / qgZ (before this), they stay; qgZ's reductions land through the same queue.
     in_flight = InFlightReductions()
     gather = RingAllGather()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -245,8 +245,13 @@ def _gloo_collectives(model: nn.Module) -> None:
         owner.update({id(p): (unit, p) for p in unit.parameters()})
     for unit in units:
         own = [p for u, p in owner.values() if u is unit]
-        unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight))
-        unit.set_custom_all_gather(gather)
+        weights, gradients = quantized_collectives(unit)
+        if gradients is not None:
+            gradients.overlap(own, in_flight)
+        else:
+            unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight))
+        if weights is None:
+            unit.set_custom_all_gather(gather)
 
 
 def _numel(module: nn.Module) -> int:
@@ -477,8 +482,6 @@ def apply_plan(
     if plan.stage >= 2:
         _check_quantized_shards(model, plan, mesh)
         _shard(model, plan, mesh, blocks)
-        if mesh.device_type == "cpu":
-            _gloo_collectives(model)
         # ZeRO++ swaps the collectives FSDP2 runs, not how it shards: qwZ / qgZ install on the sharded modules.
         install_zeropp(
             model,
@@ -487,6 +490,8 @@ def apply_plan(
             gradients_block=plan.quantized_gradients_block,
             ranks_per_node=plan.ranks_per_node,
         )
+        if mesh.device_type == "cpu":
+            _gloo_collectives(model)
     else:
         _replicate(model, plan, mesh)
     if mesh.get_local_rank() == 0:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -179,7 +180,8 @@ class AllReduceScatter(CommBuffers):
 
     The input, FSDP2's own staging buffer, is summed in place into this rank's chunk (`ring_reduce_scatter`). SUM
     and AVG (FSDP2's op for fp32/bf16) only: AVG divides after the sum, in the reduction's dtype; any other op takes
-    gloo's reduce-scatter as FSDP2 would.
+    gloo's reduce-scatter as FSDP2 would. qgZ's quantized reduction (`ds_plugin.zero.zeropp`) is a subclass: it
+    replaces how the sum is computed (`_start`), and lands the same way.
 
     Args:
         params: the parameters this FSDP2 unit owns (not those of units nested in it).
@@ -198,31 +200,54 @@ class AllReduceScatter(CommBuffers):
         self._params = params or []
         self._in_flight = in_flight
 
+    def overlap(self, params: list[Tensor], in_flight: InFlightReductions) -> None:
+        """Land this unit's reductions through `in_flight`; `params` are the parameters the unit owns."""
+        self._params, self._in_flight = params, in_flight
+
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool = False
     ):
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if not self._sums(input_tensor, op):
+            return self._plain(output_tensor, input_tensor, group, op, async_op)
         world = dist.get_world_size(group)
-        mine, work = ring_reduce_scatter(input_tensor, group, async_op=True)
+        finish = self._start(input_tensor, group)
         if (
             self._in_flight is None
             or op != dist.ReduceOp.AVG
             or any(p.grad is not None or getattr(p, "_post_accumulate_grad_hooks", None) for p in self._params)
         ):
-            work.wait()
-            _reduced_into(output_tensor, mine, op, world)
+            _reduced_into(output_tensor, finish(), op, world)
             return None
         # FSDP2 goes on at once: it casts the output to the parameters' dtype when that differs (bf16 gradients of
         # fp32 master weights) and views the gradients into the result, so the landing writes there instead.
         cast = any(p.dtype != output_tensor.dtype for p in self._params if p.requires_grad)
 
         def land() -> None:
-            work.wait()
-            _reduced_into(self._cast_buffer(output_tensor.numel()) if cast else output_tensor, mine, op, world)
+            into = self._cast_buffer(output_tensor.numel()) if cast else output_tensor
+            # Rounded to the reduction's dtype first, as FSDP2's own cast of the output would see it (qgZ sums in
+            # fp32; the ring already sums in that dtype).
+            _reduced_into(into, finish(), op, world, output_tensor.dtype)
 
         self._in_flight.add(land)
         return None
+
+    def _sums(self, input_tensor: Tensor, op) -> bool:
+        """Whether this reduction computes the sum itself (`_start`), else `_plain` takes it."""
+        return op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+    def _plain(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool):
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return fn(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    def _start(self, input_tensor: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+        """Put the reduction on the wire; the returned call waits for it and gives this rank's chunk of the sum."""
+        mine, work = ring_reduce_scatter(input_tensor, group, async_op=True)
+
+        def finish() -> Tensor:
+            work.wait()
+            return mine
+
+        return finish
 
     def _cast_buffer(self, numel: int) -> Tensor:
         # The flat buffer FSDP2 cast the reduced chunk into: the storage every gradient of this unit views.
@@ -238,6 +263,8 @@ class AllReduceScatter(CommBuffers):
         )
 
 
-def _reduced_into(out: Tensor, mine: Tensor, op, world: int) -> None:
-    # This rank's chunk of the summed input, averaged for AVG in the reduction's dtype, into `out` (any float dtype).
-    out.view(mine.shape).copy_(mine / world if op == dist.ReduceOp.AVG else mine)
+def _reduced_into(out: Tensor, mine: Tensor, op, world: int, dtype: torch.dtype | None = None) -> None:
+    # This rank's chunk of the summed input, averaged for AVG in the reduction's dtype, into `out` (any float dtype),
+    # by way of `dtype` when given.
+    value = mine / world if op == dist.ReduceOp.AVG else mine
+    out.view(mine.shape).copy_(value if dtype is None else value.to(dtype))

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
-from ds_plugin.zero.gloo_comm import CommBuffers, DeferredWork
+from ds_plugin.zero.gloo_comm import AllReduceScatter, CommBuffers, DeferredWork
 
 __all__ = [
     "QuantizedAllGather",
@@ -49,6 +49,7 @@ __all__ = [
     "exact_weight_gathers",
     "install_zeropp",
     "node_groups",
+    "quantized_collectives",
     "zeropp_stats",
 ]
 
@@ -206,14 +207,19 @@ def _land(flights: list[_Gathering], levels: tuple):
     yield flights[-1].wait()
 
 
-class QuantizedReduceScatter(CommBuffers):
+class QuantizedReduceScatter(AllReduceScatter):
     """qgZ: FSDP2 reduce-scatter as INT4 quantize -> all-to-all -> dequantize -> fp32 sum.
+
+    On CPU ranks it lands like the ring reduction it replaces (`AllReduceScatter.overlap`): the part that must
+    cross the slow link (the single all-to-all, or the second hop) is still on the wire when FSDP2 goes on with
+    the next unit's backward, and is decoded when that unit's reduction is issued.
 
     Args:
         block_size: elements per scale within each destination chunk.
         intra_group / inter_group: this rank's node group and its same-local-index group across nodes;
             when both are given the reduction takes the paper's two hops, else one all-to-all.
         stats: shared counters.
+        piece_numel: as for `QuantizedAllGather`.
     """
 
     def __init__(
@@ -225,33 +231,30 @@ class QuantizedReduceScatter(CommBuffers):
         stats: ZeroPPStats | None = None,
         piece_numel: int = PIECE_NUMEL,
     ) -> None:
+        super().__init__()
         self.block_size = block_size
         self.intra_group = intra_group
         self.inter_group = inter_group
         self.stats = stats if stats is not None else ZeroPPStats()
         self.piece_numel = piece_numel
 
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool = False
-    ):
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or input_tensor.dtype not in _FLOATS:
-            self.stats.fallback(f"reduce-scatter with op {op} of {input_tensor.dtype}")
-            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            return fn(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+    def _sums(self, input_tensor: Tensor, op) -> bool:
+        return op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and input_tensor.dtype in _FLOATS
+
+    def _plain(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool):
+        self.stats.fallback(f"reduce-scatter with op {op} of {input_tensor.dtype}")
+        return super()._plain(output_tensor, input_tensor, group, op, async_op)
+
+    def _start(self, input_tensor: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
         world = dist.get_world_size(group)
         chunks = input_tensor.view(world, -1)
+        self.stats.quantized_reduce_scatters += 1
         two_hop = self.intra_group is not None and self.inter_group is not None
         if two_hop and dist.get_world_size(self.intra_group) * dist.get_world_size(self.inter_group) == world:
-            total = self._two_hop(chunks)
-        else:
-            total = _Exchange(chunks, _block_for(chunks.shape[-1], self.block_size), group).sum()
-        if op == dist.ReduceOp.AVG:
-            total /= world
-        output_tensor.copy_(total)
-        self.stats.quantized_reduce_scatters += 1
-        return None
+            return self._two_hop(chunks)
+        return _Exchange(chunks, _block_for(chunks.shape[-1], self.block_size), group).sum
 
-    def _two_hop(self, chunks: Tensor) -> Tensor:
+    def _two_hop(self, chunks: Tensor) -> Callable[[], Tensor]:
         local = dist.get_world_size(self.intra_group)
         nodes = dist.get_world_size(self.inter_group)
         numel = chunks.shape[-1]
@@ -262,20 +265,22 @@ class QuantizedReduceScatter(CommBuffers):
         # A transposed view, not a copy: the quantizer reads it in place and writes codes in the order sent.
         by_local = chunks.view(nodes, local, numel).transpose(0, 1)
         pieces = _pieces(numel, block, self.piece_numel)
-        # Every piece's hop 1 goes out first. Then, piece by piece, hop 1 is summed and hop 2 (each node's partial
-        # sum to the same-local-index rank of that node) goes out; the piece before is summed meanwhile.
+        # Every piece's hop 1 (inside the node, fast) goes out first; then, piece by piece, hop 1 is summed and
+        # hop 2 (each node's partial sum to the same-local-index rank of that node, across the slow link) goes
+        # out. Hop 2 is waited for and decoded only in `finish`, piece by piece while later pieces still travel.
         hop1 = [_Exchange(by_local[..., a:b], block, self.intra_group, compiled) for a, b in pieces]
-        total = torch.empty(numel, dtype=torch.float32, device=chunks.device)
-        hop2: list[_Exchange] = []  # hop1[k] is dropped once summed: its buffers can go
+        hop2: list[_Exchange] = []
         for k in range(len(pieces)):
             hop2.append(_Exchange(hop1[k].sum(), block, self.inter_group, compiled))
-            hop1[k] = None
-            if k:
-                start, end = pieces[k - 1]
-                total[start:end] = hop2[k - 1].sum()
-        start, end = pieces[-1]
-        total[start:end] = hop2[-1].sum()
-        return total
+            hop1[k] = None  # summed: its buffers can go
+
+        def finish() -> Tensor:
+            total = torch.empty(numel, dtype=torch.float32, device=chunks.device)
+            for (start, end), exchange in zip(pieces, hop2, strict=True):
+                total[start:end] = exchange.sum()
+            return total
+
+        return finish
 
 
 class _Exchange:
@@ -351,11 +356,17 @@ class _PlainAllGather(CommBuffers):
 
 _STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _WEIGHT_GATHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDP unit -> its qwZ all-gather
+_GRADIENT_REDUCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FSDP unit -> its qgZ reduction
 
 
 def zeropp_stats(model: torch.nn.Module) -> ZeroPPStats | None:
     """The ZeRO++ counters of a model `install_zeropp` handled, else None."""
     return _STATS.get(model)
+
+
+def quantized_collectives(unit: torch.nn.Module) -> tuple[QuantizedAllGather | None, QuantizedReduceScatter | None]:
+    """The qwZ all-gather and qgZ reduce-scatter `install_zeropp` gave one FSDP2 unit (None where it gave none)."""
+    return _WEIGHT_GATHERS.get(unit), _GRADIENT_REDUCTIONS.get(unit)
 
 
 def install_zeropp(
@@ -395,9 +406,9 @@ def install_zeropp(
             module.set_custom_all_gather(gather)
             _WEIGHT_GATHERS[module] = gather
         if gradients_block is not None:
-            module.set_custom_reduce_scatter(
-                QuantizedReduceScatter(gradients_block, intra_group=intra, inter_group=inter, stats=stats)
-            )
+            reduction = QuantizedReduceScatter(gradients_block, intra_group=intra, inter_group=inter, stats=stats)
+            module.set_custom_reduce_scatter(reduction)
+            _GRADIENT_REDUCTIONS[module] = reduction
     _STATS[model] = stats
     return stats
 

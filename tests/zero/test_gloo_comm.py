@@ -2,10 +2,11 @@
 
 Stages 2/3: each unit's reduction lands while the next unit's backward runs, and no run changes a number against
 landing at once (fp32; bf16, whose reduced chunk FSDP2 casts to the fp32 master's dtype; two backwards per step;
-fp16, which FSDP2 divides itself and so is never parked). On one host reductions and gathers go round a ring of
-sends and receives: gathers bit for bit gloo's own (in place as FSDP2 calls it, -0.0 and NaN payloads), sums equal
-to gloo's, on 2 ranks (one step) and on 3 (two steps, several rings in flight at once); ranks "on two hosts" take
-and the engine trains to the same numbers with gloo's own collectives in the rings' place (stages 1-3).
+fp16, which FSDP2 divides itself and so is never parked; qgZ's quantized reduction, which lands the same way). On
+one host reductions and gathers go round a ring of sends and receives: gathers bit for bit gloo's own (in place as
+FSDP2 calls it, -0.0 and NaN payloads), sums equal to gloo's, on 2 ranks (one step) and on 3 (two steps, several
+rings in flight at once); and the engine trains to the same numbers with gloo's own collectives in the rings'
+place (stages 1-3).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def _overlap(rank: int, world: int) -> dict:
         seen["early"] += len(self._pending) >= self.depth  # the previous unit's reduction lands here
         real_add(self, land)
 
-    def run(stage: int, dtype: str, backwards: int = 1, *, overlap: bool = True) -> tuple:
-        engine = initialize(gpt2(), zero_config(stage, dtype=dtype), make_optimizer("adamw"))
+    def run(stage: int, dtype: str, backwards: int = 1, *, overlap: bool = True, **zero) -> tuple:
+        engine = initialize(gpt2(), zero_config(stage, dtype=dtype, **zero), make_optimizer("adamw"))
         comms = _reduce_scatters(engine.module)
         for comm in comms if not overlap else ():
             comm._in_flight = None  # every reduction lands before FSDP2 goes on
@@ -46,10 +47,12 @@ def _overlap(rank: int, world: int) -> dict:
                 seen["left"] += sum(len(c._in_flight._pending) for c in comms if c._in_flight is not None)
             engine.step()
             losses.append(loss.item())
-        return losses, full_params(engine.module)
+        return losses, full_params(engine.module), sorted({type(c).__name__ for c in comms})
 
     out: dict = {}
     overlapped = {}  # (stage, dtype) -> the run with one backward per step, reductions overlapped, on one host
+    # qgZ (stage 3, "qgz") replaces the ring's sum with its quantized one and lands the same way.
+    qgz = {"zero_quantized_gradients": True}
     for stage, dtype, backwards in (
         (2, "fp32", 1),
         (3, "fp32", 1),
@@ -57,20 +60,24 @@ def _overlap(rank: int, world: int) -> dict:
         (3, "bf16", 1),
         (3, "fp32", 2),
         (3, "fp16", 1),
+        ("qgz", "bf16", 1),
     ):
+        zero = qgz if stage == "qgz" else {}
+        number = 3 if stage == "qgz" else stage
         gloo_comm.InFlightReductions.add = counting_add
         seen.update(adds=0, early=0, left=0)
         try:
-            ran, counts = run(stage, dtype, backwards), dict(seen)
+            ran, counts = run(number, dtype, backwards, **zero), dict(seen)
         finally:
             gloo_comm.InFlightReductions.add = real_add
         if backwards == 1:
             overlapped[stage, dtype] = ran
         out["overlap", stage, dtype, backwards] = (
-            _same(ran, run(stage, dtype, backwards, overlap=False)),
+            _same(ran, run(number, dtype, backwards, overlap=False, **zero)),
             counts,
             ran[0],
         )
+    out["qgz collectives"] = overlapped["qgz", "bf16"][2]
     # gloo's own reduce-scatter and all-gather in the rings' place: stages 2/3, and stage 1's buckets (no FSDP2).
     overlapped[1, "fp32"] = run(1, "fp32")
     with _gloos_own_collectives():
@@ -167,6 +174,7 @@ def two_ranks() -> list[dict]:
 def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
     for r in two_ranks:
         assert r["ring"] == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}
+        assert r["qgz collectives"] == ["QuantizedReduceScatter"]  # qgZ kept its place, and overlapped (below)
         # gloo's reduce-scatter and all-gather in the rings' place: the same numbers.
         assert r["gloo", 1] and r["gloo", 2] and r["gloo", 3]
         for (stage, dtype, backwards), (same, counts, losses) in (

@@ -116,6 +116,16 @@ def _worker(rank: int, world: int) -> dict:
                             block_size=BLOCK, intra_group=intra, inter_group=inter, piece_numel=2 * BLOCK
                         )(piecewise, g, dist.group.WORLD, op)
                         results[f"rs_pieces_equal_{op}_{dtype}_{shard}"] = torch.equal(piecewise, out)
+                    if op == dist.ReduceOp.SUM:
+                        # Two reductions in flight at once, as the CPU engine lands one while it issues the next:
+                        # each is the same sum as when it ran alone.
+                        first = comm._start(g, dist.group.WORLD)
+                        second = comm._start(g.flip(0), dist.group.WORLD)
+                        alone = torch.empty_like(out)
+                        comm(alone, g.flip(0), dist.group.WORLD, op)
+                        results[f"rs_in_flight_{name}_{dtype}_{shard}"] = torch.equal(
+                            first().to(dtype), out
+                        ) and torch.equal(second().to(dtype), alone)
     return results
 
 
