@@ -216,7 +216,7 @@ class AllReduceScatter(CommBuffers):
             or op != dist.ReduceOp.AVG
             or any(p.grad is not None or getattr(p, "_post_accumulate_grad_hooks", None) for p in self._params)
         ):
-            _reduced_into(output_tensor, finish(), op, world)
+            _reduced_into(output_tensor, finish(), op, world, output_tensor.dtype)
             return None
         # FSDP2 goes on at once: it casts the output to the parameters' dtype when that differs (bf16 gradients of
         # fp32 master weights) and views the gradients into the result, so the landing writes there instead.
@@ -263,8 +263,8 @@ class AllReduceScatter(CommBuffers):
         )
 
 
-def _reduced_into(out: Tensor, mine: Tensor, op, world: int, dtype: torch.dtype | None = None) -> None:
-    # This rank's chunk of the summed input, averaged for AVG in the reduction's dtype, into `out` (any float dtype),
-    # by way of `dtype` when given.
+def _reduced_into(out: Tensor, mine: Tensor, op, world: int, dtype: torch.dtype) -> None:
+    # This rank's chunk of the summed input, averaged for AVG, rounded to the reduction's `dtype` (FSDP2's output),
+    # then written into `out` (that output, or the buffer FSDP2 cast it into).
     value = mine / world if op == dist.ReduceOp.AVG else mine
-    out.view(mine.shape).copy_(value if dtype is None else value.to(dtype))
+    out.view(mine.shape).copy_(value.to(dtype))
