@@ -13,7 +13,9 @@ Each (config, dtype) runs in fresh processes, so peak RSS (`getrusage` maxrss, m
 A run is `warmup` untimed steps then `steps` timed ones (forward, backward, optimizer step; a step's time is
 the slowest rank's); repetitions go in alternating order so background load on a shared machine falls on
 every config alike. Reported: the median step time over all timed steps of all repetitions, each
-repetition's median, the peak RSS, and the loss of the last step averaged over ranks.
+repetition's median, the peak RSS, and the loss of the last step averaged over ranks. `comparisons` holds each
+speed and memory target (TARGETS) whose two sides both ran, per dtype, e.g. `zero3_vs_deepspeed_zero3_step_bf16`:
+{"ratio", "at_most", "met"}; and `fp32_final_loss`, every config's fp32 loss next to DDP's.
 
 Scaling (`--sizes 16m 124m 350m --world-sizes 1 2 4`): the same comparison for each model size (see
 `benchmarks._peers_scaling` for the shapes and the per-size default warmup/steps) on each number of ranks. All
@@ -234,17 +236,30 @@ def _summary(name: str, dtype: str, reps: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
+# The targets each comparison is held to: (ours, baseline, quantity, at most this ratio).
+TARGETS = (
+    ("ds_plugin_zero3", "deepspeed_zero3", "median_step_s", 0.85),
+    ("ds_plugin_zero3", "deepspeed_zero3", "peak_rss_mb", 0.7),
+    ("ds_plugin_zero3", "ddp", "median_step_s", 1.05),
+    ("ds_plugin_zero2", "ddp", "median_step_s", 1.02),
+    ("ds_plugin_zero1", "ddp", "median_step_s", 1.0),
+)
+
+
 def _comparisons(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each target of TARGETS both sides of which ran, per dtype, as `<ours>_vs_<baseline>_<quantity>_<dtype>`:
+    {"ratio": ours / baseline, "at_most": the target, "met": ratio <= target}; and the fp32 final losses next to
+    DDP's."""
     by = {(r["name"], r["dtype"]): r for r in runs if "median_step_s" in r}
     out: dict[str, Any] = {}
-    ours, theirs = by.get(("ds_plugin_zero3", "bf16")), by.get(("deepspeed_zero3", "bf16"))
-    if ours and theirs:
-        out["zero3_bf16"] = {
-            "step_time_ratio_ours_over_deepspeed": round(ours["median_step_s"] / theirs["median_step_s"], 3),
-            "peak_rss_ratio_ours_over_deepspeed": round(ours["peak_rss_mb"] / theirs["peak_rss_mb"], 3),
-            "target_met": ours["median_step_s"] <= theirs["median_step_s"]
-            and ours["peak_rss_mb"] <= theirs["peak_rss_mb"],
-        }
+    for dtype in DTYPES:
+        for ours, baseline, key, at_most in TARGETS:
+            a, b = by.get((ours, dtype)), by.get((baseline, dtype))
+            if a and b:
+                ratio = round(a[key] / b[key], 3)
+                quantity = "step" if key == "median_step_s" else "peak_rss"
+                name = f"{ours.removeprefix('ds_plugin_')}_vs_{baseline}_{quantity}_{dtype}"
+                out[name] = {"ratio": ratio, "at_most": at_most, "met": ratio <= at_most}
     fp32 = {name: r["final_loss"] for (name, dtype), r in by.items() if dtype == "fp32"}
     if "ddp" in fp32:
         diffs = {name: abs(loss - fp32["ddp"]) for name, loss in fp32.items()}

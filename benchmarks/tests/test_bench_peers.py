@@ -42,7 +42,33 @@ def test_tiny_scaling_run(tmp_path, capsys):
     for r in report["reports"]:  # the per-(size, world size) reports keep today's keys
         assert {"runs", "comparisons", "setup", "scaling"} <= set(r)
         assert r["comparisons"]["fp32_final_loss"]["agree_to_5_decimals"]
+        step = {run["name"]: run["median_step_s"] for run in r["runs"]}
+        vs_ddp = r["comparisons"]["zero3_vs_ddp_step_fp32"]
+        assert vs_ddp["ratio"] == round(step["ds_plugin_zero3"] / step["ddp"], 3) and vs_ddp["at_most"] == 1.05
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_comparisons_hold_each_target():
+    def run(name, dtype, step, rss=1000.0, loss=10.0):
+        return {"name": name, "dtype": dtype, "median_step_s": step, "peak_rss_mb": rss, "final_loss": loss}
+
+    runs = [
+        run("ddp", "bf16", 1.0),
+        run("deepspeed_zero3", "bf16", 1.0, rss=2000.0),
+        run("ds_plugin_zero3", "bf16", 0.86, rss=1300.0),  # 0.86x DeepSpeed's step: over 0.85
+        run("ds_plugin_zero2", "bf16", 1.02),  # exactly at its target
+        run("ddp", "fp32", 2.0, loss=10.5),
+        run("ds_plugin_zero1", "fp32", 2.1, loss=10.5 + 4e-6),  # slower than DDP
+        {"name": "deepspeed_zero3", "dtype": "fp32", "skipped": "not installed"},
+    ]
+    got = peers._comparisons(runs)
+    assert got["zero3_vs_deepspeed_zero3_step_bf16"] == {"ratio": 0.86, "at_most": 0.85, "met": False}
+    assert got["zero3_vs_deepspeed_zero3_peak_rss_bf16"] == {"ratio": 0.65, "at_most": 0.7, "met": True}
+    assert got["zero3_vs_ddp_step_bf16"] == {"ratio": 0.86, "at_most": 1.05, "met": True}
+    assert got["zero2_vs_ddp_step_bf16"]["met"] is True
+    assert got["zero1_vs_ddp_step_fp32"] == {"ratio": 1.05, "at_most": 1.0, "met": False}
+    assert not any(k.endswith("_fp32") and "deepspeed" in k for k in got)  # a side that did not run: no entry
+    assert got["fp32_final_loss"]["agree_to_5_decimals"] is True
 
 
 def test_run_that_would_not_fit_is_skipped_with_a_reason(monkeypatch):
