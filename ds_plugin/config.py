@@ -185,8 +185,8 @@ class ZeroConfig:
         doc="cap on gathered parameters",
         ge=0,
         aliases=("max_live_parameters",),
-        ignored="at stage 3 what is gathered at once is the running FSDP2 block plus the blocks prefetched within "
-        "stage3_prefetch_bucket_size, which sets that cap here",
+        ignored="at stage 3 what is gathered at once is the running FSDP2 block, the blocks prefetched within "
+        "stage3_prefetch_bucket_size (which sets that cap here) and the model's top-level weights",
     )
     stage3_max_reuse_distance: int = option(
         1_000_000_000,
