@@ -421,7 +421,15 @@ def _table(report: dict[str, Any]) -> str:
             f"{r['peak_rss_mb']:>13.0f}"
             f"{r['final_loss']:>12.6f}  {r['rep_median_step_s']}"
         )
-    return "\n".join([*lines, json.dumps(report["comparisons"], indent=2)])
+    for name, c in report["comparisons"].items():
+        if "ratio" in c:
+            lines.append(f"{name}: {c['ratio']:.3f}x (at most {c['at_most']}x: {'met' if c['met'] else 'MISSED'})")
+    losses = report["comparisons"].get("fp32_final_loss")
+    if losses:
+        agree = "agree" if losses["agree_to_5_decimals"] else "DIFFER"
+        diff = losses["max_abs_diff_vs_ddp"]
+        lines.append(f"fp32 final losses {agree} with DDP's to 5 decimals (max diff {diff:.2e})")
+    return "\n".join(lines)
 
 
 def _combined(reports: list[dict[str, Any]], repeats: int) -> dict[str, Any]:

@@ -50,7 +50,8 @@ def test_tiny_scaling_run(tmp_path, capsys):
 
 def test_comparisons_hold_each_target():
     def run(name, dtype, step, rss=1000.0, loss=10.0):
-        return {"name": name, "dtype": dtype, "median_step_s": step, "peak_rss_mb": rss, "final_loss": loss}
+        timing = {"median_step_cpu_s": step, "rep_median_step_s": [step]}
+        return {"name": name, "dtype": dtype, "median_step_s": step, "peak_rss_mb": rss, "final_loss": loss} | timing
 
     runs = [
         run("ddp", "bf16", 1.0),
@@ -69,6 +70,10 @@ def test_comparisons_hold_each_target():
     assert got["zero1_vs_ddp_step_fp32"] == {"ratio": 1.05, "at_most": 1.0, "met": False}
     assert not any(k.endswith("_fp32") and "deepspeed" in k for k in got)  # a side that did not run: no entry
     assert got["fp32_final_loss"]["agree_to_5_decimals"] is True
+    text = peers._table({"runs": runs, "comparisons": got})  # what `bench peers` prints without --json
+    assert "zero3_vs_deepspeed_zero3_step_bf16: 0.860x (at most 0.85x: MISSED)" in text.splitlines()
+    assert "zero2_vs_ddp_step_bf16: 1.020x (at most 1.02x: met)" in text.splitlines()
+    assert text.splitlines()[-1].startswith("fp32 final losses agree with DDP's")
 
 
 def test_run_that_would_not_fit_is_skipped_with_a_reason(monkeypatch):
