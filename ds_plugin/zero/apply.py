@@ -246,10 +246,10 @@ def _gloo_collectives(model: nn.Module) -> None:
     for unit in units:
         own = [p for u, p in owner.values() if u is unit]
         weights, gradients = quantized_collectives(unit)
-        if gradients is not None:
-            gradients.overlap(own, in_flight)
-        else:
-            unit.set_custom_reduce_scatter(AllReduceScatter(own, in_flight))
+        if gradients is None:
+            gradients = AllReduceScatter()
+            unit.set_custom_reduce_scatter(gradients)
+        gradients.overlap(own, in_flight)
         if weights is None:
             unit.set_custom_all_gather(gather)
 

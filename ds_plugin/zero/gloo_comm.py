@@ -184,27 +184,25 @@ class AllReduceScatter(CommBuffers):
     The input, FSDP2's own staging buffer, is summed in place into this rank's chunk (`ring_reduce_scatter`). SUM
     and AVG (FSDP2's op for fp32/bf16) only: AVG divides after the sum, in the reduction's dtype; any other op takes
     gloo's reduce-scatter as FSDP2 would. qgZ's quantized reduction (`ds_plugin.zero.zeropp`) is a subclass: it
-    replaces how the sum is computed (`_start`), and lands the same way.
-
-    Args:
-        params: the parameters this FSDP2 unit owns (not those of units nested in it).
-        in_flight: where the reduction is parked to land later; None lands it at once. It lands at once anyway
-            when FSDP2 would read the output right away: the op is SUM (FSDP2 then divides the output itself, as
-            for fp16 gradients), a unit's gradient accumulates into an existing `.grad` (a second backward without
-            accumulation steps), or a post-accumulate-grad hook is registered on one of its parameters (it would
-            read the gradient before it has landed).
+    replaces how the sum is computed (`_start`), and lands the same way. Until `overlap` is called, a reduction
+    lands at once.
     """
 
-    def __init__(
-        self,
-        params: list[Tensor] | None = None,
-        in_flight: InFlightReductions | None = None,
-    ) -> None:
-        self._params = params or []
-        self._in_flight = in_flight
+    def __init__(self) -> None:
+        self._params: list[Tensor] = []
+        self._in_flight: InFlightReductions | None = None
 
     def overlap(self, params: list[Tensor], in_flight: InFlightReductions) -> None:
-        """Land this unit's reductions through `in_flight`; `params` are the parameters the unit owns."""
+        """Park this unit's reductions in `in_flight`, to land while the next unit's backward runs.
+
+        Args:
+            params: the parameters this FSDP2 unit owns (not those of units nested in it).
+            in_flight: the queue shared by the model's units. A reduction still lands at once when FSDP2 would read
+                the output right away: the op is SUM (FSDP2 then divides the output itself, as for fp16
+                gradients), a unit's gradient accumulates into an existing `.grad` (a second backward without
+                accumulation steps), or a post-accumulate-grad hook is registered on one of its parameters (it
+                would read the gradient before it has landed).
+        """
         self._params, self._in_flight = params, in_flight
 
     def __call__(
