@@ -9,6 +9,8 @@ How bytes are counted: the comms logger's wire convention, i.e. what one rank se
 keeps; all-reduce: 2(n-1)/n x tensor), summed over all collectives of the step on rank 0 (every rank sends the
 same amount). A collective whose group holds ranks of both nodes counts as inter-node in full; one whose group
 stays inside a node counts as intra-node. Quantized collectives count their INT8/INT4 codes and bf16 scales.
+Every config runs with `stage3_max_reuse_distance` 0, so each block is gathered in forward and again in backward
+(what a model too big to keep them gathered in between does).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def _rank_worker(rank: int, world: int, *, n_layer: int, n_embd: int, seq: int, 
     for name, zero in CONFIGS.items():
         model = _model(n_layer, n_embd, seq)
         params = sum(p.numel() for p in model.parameters())
+        # Reuse distance 0: every block is gathered again in backward, as a big model's are (the volumes ZeRO++
+        # is designed to cut). Under the default (1e9) this small model's blocks stay gathered from forward to
+        # backward in every config, and no backward all-gather is left to compare.
+        zero = {**zero, "stage3_max_reuse_distance": 0}
         cfg = {"zero_optimization": zero, "bf16": {"enabled": True}, "gradient_clipping": 0.0}
         engine = ds_plugin.initialize(model, cfg, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
         log = CommsLogger()

@@ -3,6 +3,8 @@
 Each stage trains the same bf16 GPT-2 with AdamW for a few steps on N gloo ranks. On the last step the
 model states are counted at several points ("probes"); the one compared with the ZeRO formula is
 `after_backward`: all gradients exist, the optimizer state exists, nothing has been freed by the step yet.
+Stage 3 runs with `stage3_max_reuse_distance` 0, so its probes in forward and backward show the layout of a model
+too big to keep blocks gathered between the two (under the default every block of this GPT-2 stays gathered).
 What is counted is described in `benchmarks._model_states` (storage bytes, each storage once).
 
 The formula (ZeRO paper, Rajbhandari et al. 2020, section 5) assumes 2Ψ bf16 weights + 2Ψ bf16 grads + 12Ψ fp32 master
@@ -141,7 +143,10 @@ def _rank_worker(
                 out["frozen_params"] = sum(p.numel() for p in model.parameters() if not p.requires_grad)
             else:
                 out["params"] = sum(p.numel() for p in model.parameters())
-            cfg = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "gradient_clipping": 0.0}
+            # Reuse distance 0: stage 3 frees each block after its forward, as it does for the blocks of a 7B model.
+            # Under the default (1e9) every block of this small model stays gathered from forward to backward.
+            zero = {"stage": stage, "stage3_max_reuse_distance": 0}
+            cfg = {"zero_optimization": zero, "bf16": {"enabled": True}, "gradient_clipping": 0.0}
             engine = ds_plugin.initialize(model, cfg, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
             probes = _train_and_probe(engine, rank, vocab=vocab, seq=seq, batch=batch, steps=steps, lora=lora)
             out["lora" if lora else "stages"][str(stage)] = probes

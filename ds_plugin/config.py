@@ -182,20 +182,17 @@ class ZeroConfig:
     )
     stage3_max_live_parameters: int = option(
         1_000_000_000,
-        doc="cap on gathered parameters",
+        doc="stage 3: cap on the block parameters kept gathered from forward to backward "
+        "(stage3_max_reuse_distance); the prefetch budget caps what is gathered ahead",
         ge=0,
         aliases=("max_live_parameters",),
-        ignored="at stage 3 what is gathered at once is the running FSDP2 block, the blocks prefetched within "
-        "stage3_prefetch_bucket_size (which sets that cap here) and the model's top-level weights",
     )
     stage3_max_reuse_distance: int = option(
         1_000_000_000,
-        doc="keep gathered if reused this soon",
+        doc="stage 3: a block stays gathered from its forward to its backward when fewer parameter elements than "
+        "this run in between (and it fits stage3_prefetch_bucket_size); 0 frees every block after its forward",
         ge=0,
         aliases=("max_reuse_distance",),
-        ignored="stage 3 frees each FSDP2 block's gathered weights after its forward (the last block, if it fits "
-        "stage3_prefetch_bucket_size, stays gathered for its backward); keeping more blocks gathered measured no "
-        "faster on CPU",
     )
     sub_group_size: int = option(1_000_000_000, doc="optimizer step granularity", ge=0, ignored=FSDP_BUCKETS)
     offload_optimizer: OffloadOptimizerConfig = option(doc="optimizer offload", factory=OffloadOptimizerConfig)

@@ -52,6 +52,8 @@ ACTS: dict[str, str] = {
     "zero_optimization.offload_param.pin_memory": "zero/apply.py: CPUOffloadPolicy(pin_memory)",
     "zero_optimization.zero_hpz_partition_size": "zero/mesh.py: hpZ groups",
     "zero_optimization.stage3_prefetch_bucket_size": "zero/apply.py: _set_prefetch, the blocks gathered ahead",
+    "zero_optimization.stage3_max_reuse_distance": "zero/apply.py: _kept_blocks, blocks kept gathered into backward",
+    "zero_optimization.stage3_max_live_parameters": "zero/apply.py: _kept_blocks, the cap on the blocks kept",
     "zero_optimization.zero_quantized_weights": "zero/zeropp.py: qwZ",
     "zero_optimization.zero_quantized_gradients": "zero/zeropp.py: qgZ",
     "zero_optimization.zero_quantized_weights_block_size": "zero/zeropp.py: qwZ scale blocks",

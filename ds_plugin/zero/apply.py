@@ -184,8 +184,9 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
         if mesh.get_local_rank() == 0:
             logger.info(stats.summary())
     # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
+    kept = _kept_blocks(model, blocks, plan)
     for block in blocks:
-        fully_shard(block, **{**kwargs, "reshard_after_forward": _block_reshard(block, blocks, plan)})
+        fully_shard(block, **{**kwargs, "reshard_after_forward": block not in kept and plan.reshard_after_forward})
     root = plan.reshard_after_forward
     whole = _whole_frozen_head(model, plan)
     if whole is not None:
@@ -220,17 +221,36 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     fully_shard(model, **{**kwargs, "reshard_after_forward": root_after, "ignored_params": ignored})
     first = [m for m, _ in ends if isinstance(m, nn.Embedding)]  # the input embedding; a head is used last
     units = first + blocks + [m for m, _ in ends if m not in first]
-    _set_prefetch(model, units, frozen_embeddings, plan, mesh)
+    _set_prefetch(model, units, frozen_embeddings, kept, plan, mesh)
 
 
-def _block_reshard(block: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) -> bool | int:
-    # Stage 3 keeps the last block gathered from its forward to its backward, which comes right after the head's
-    # (freeing it would only gather it again): one all-gather of a block less per step, a quarter of the weight
-    # traffic of a 2-block model. Only when the block fits the prefetch budget, which says how much may be
-    # gathered ahead of use; a 7B Llama layer does not, so big models keep their peak.
-    if plan.reshard_after_forward is True and blocks and block is blocks[-1]:
-        return _numel(block) > plan.prefetch_numel
-    return plan.reshard_after_forward
+def _kept_blocks(model: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) -> set[nn.Module]:
+    """The blocks stage 3 keeps gathered from their forward to their backward instead of freeing and gathering
+    them again: DeepSpeed's `stage3_max_reuse_distance`, at FSDP2's block granularity.
+
+    DeepSpeed does not release a module's weights after its forward when they are used again before that many
+    parameter elements have run (its default, 1e9: every block of a model under ~500M parameters, the last two of
+    a 7B Llama). Between block k's forward and its backward run the later blocks and what follows them (final
+    norm, head; GPT-2's tied embedding), twice: forward and backward. So the blocks are kept from the last one
+    backwards while that distance stays under `stage3_max_reuse_distance`, the kept blocks' parameters under
+    `stage3_max_live_parameters`, and each block fits `stage3_prefetch_bucket_size` (what may be gathered ahead
+    of use: a 7B Llama layer, 202M elements, does not, so big models keep today's peak). Each kept block saves
+    one all-gather per step, at the cost of its gathered weights held through the backward of the later ones.
+    """
+    if plan.reshard_after_forward is False or not blocks:
+        return set()
+    sizes = [_numel(b) for b in blocks]
+    # The untied input embedding runs before the blocks, not between a block's forward and backward.
+    before = sum(_numel(m) for m, _ in _separate_ends(model, plan.reshard_after_forward) if isinstance(m, nn.Embedding))
+    after = _numel(model) - sum(sizes) - before
+    kept: set[nn.Module] = set()
+    live = 0  # elements of the blocks kept so far: the later blocks
+    for block, numel in zip(reversed(blocks), reversed(sizes), strict=True):
+        if 2 * (live + after) >= plan.reuse_numel or numel > plan.prefetch_numel or live + numel > plan.live_numel:
+            break
+        kept.add(block)
+        live += numel
+    return kept
 
 
 def _gloo_collectives(model: nn.Module) -> None:
@@ -270,7 +290,12 @@ def _ahead(units: list[nn.Module], sizes: dict[nn.Module, int], numel: int) -> l
 
 
 def _set_prefetch(
-    model: nn.Module, units: list[nn.Module], no_backward_gather: set[nn.Module], plan: ZeroPlan, mesh: DeviceMesh
+    model: nn.Module,
+    units: list[nn.Module],
+    no_backward_gather: set[nn.Module],
+    kept: set[nn.Module],
+    plan: ZeroPlan,
+    mesh: DeviceMesh,
 ) -> None:
     """Prefetch the next units' weights while a unit computes: `stage3_prefetch_bucket_size` elements ahead.
 
@@ -287,6 +312,7 @@ def _set_prefetch(
         model: the root FSDP module.
         units: the other FSDP units, in forward order (input embedding, blocks, output head).
         no_backward_gather: units that `set_unshard_in_backward(False)` keeps sharded in backward.
+        kept: blocks kept gathered from forward to backward (`_kept_blocks`): nothing to fetch for them.
         plan: the resolved plan.
         mesh: the data-parallel mesh.
     """
@@ -296,10 +322,12 @@ def _set_prefetch(
     forward |= {u: _ahead(units[i + 1 :], sizes, budget) for i, u in enumerate(units)}
     backward: dict[nn.Module, list[nn.Module]] = {}
     if plan.reshard_after_forward is not False:
-        # Backward runs the units in reverse; a frozen embedding that skips its backward gather is never fetched.
+        # Backward runs the units in reverse; a frozen embedding that skips its backward gather is never fetched,
+        # and a kept block is still gathered: the budget goes to the units after it that need a gather.
         order = [u for u in reversed(units) if u not in no_backward_gather]
-        backward = {model: _ahead(order, sizes, budget)}
-        backward |= {u: _ahead(order[i + 1 :], sizes, budget) for i, u in enumerate(order)}
+        backward = {model: _ahead([u for u in order if u not in kept], sizes, budget)}
+        for i, unit in enumerate(order):
+            backward[unit] = _ahead([u for u in order[i + 1 :] if u not in kept], sizes, budget)
     prefetching = any(forward.values()) or any(backward.values())
     for unit in (model, *units):
         if cpu and prefetching:

@@ -91,6 +91,11 @@ class ZeroPlan:
     """FSDP2's setting for the blocks (stages 2/3): False (stage 2), True (stage 3), or hpZ's group size k."""
     prefetch_numel: int
     """`stage3_prefetch_bucket_size`: parameter elements whose all-gather may run ahead of use (stages 2/3)."""
+    reuse_numel: int
+    """`stage3_max_reuse_distance`: stage 3 keeps a block gathered from its forward to its backward when fewer
+    parameter elements than this run in between (see `zero/apply.py`)."""
+    live_numel: int
+    """`stage3_max_live_parameters`: at most this many parameter elements of blocks are kept that way."""
     offload: bool
     """Sharded state (fp32 masters, optimizer state) lives in host memory (`offload_optimizer`/`offload_param`)."""
     pin_memory: bool
@@ -375,6 +380,8 @@ def resolve_plan(
         grad_accum_dtype=config.grad_accum_dtype,
         reshard_after_forward=_reshard_after_forward(config.stage, zero.hpz_partition_size, world_size),
         prefetch_numel=_prefetch_numel(zero.stage3_prefetch_bucket_size),
+        reuse_numel=int(zero.stage3_max_reuse_distance),
+        live_numel=int(zero.stage3_max_live_parameters),
         offload=offload,
         pin_memory=pin,
         quantized_weights_block=zero.zero_quantized_weights_block_size if zero.zero_quantized_weights else None,

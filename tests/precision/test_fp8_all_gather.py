@@ -57,7 +57,9 @@ class Net(nn.Module):
 
 def _config(recipe: str, all_gather: bool) -> dict:
     return {
-        "zero_optimization": {"stage": 3},
+        # Reuse distance 0: every block is freed after its forward and gathered again in backward, so the FP8
+        # gather serves both passes (the default keeps these small blocks gathered in between).
+        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0},
         "bf16": {"enabled": True},
         "gradient_clipping": 0.0,
         "fp8": {"enabled": True, "recipe": recipe, "all_gather": all_gather},
@@ -185,9 +187,9 @@ def test_all_gather_bytes_about_half(results: dict, recipe: str) -> None:
         "rowwise": lambda n, k: 4 * n,
         "blockwise": lambda n, k: 4 * (n // 128) * (k // 128),
     }[recipe]
-    # Each block is gathered in forward, and the first again in backward (stage 3 resharded it; the last block,
-    # within the prefetch budget, stays gathered into backward): 3 gathers of a block. Each rank sends 1/WORLD.
-    gathers = 2 + 1
+    # Each of the 2 blocks is gathered in forward and again in backward (reuse distance 0): 4 gathers of a block.
+    # Each rank sends 1/WORLD.
+    gathers = 2 * 2
     bf16_bytes = gathers * sum(2 * n * k for n, k in weights) // WORLD
     kept_bytes = gathers * sum(2 * n * k for n, k in kept) // WORLD
     fp8_bytes = gathers * sum(n * k + scale_bytes(n, k) for n, k in fp8) // WORLD

@@ -182,7 +182,13 @@ def _sharded_after_forward(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for name, extra in (("zero3", {}), ("hpz", {"zero_hpz_partition_size": 2})):
+    free = {"stage3_max_reuse_distance": 0}
+    for name, extra in (
+        ("zero3", {}),
+        ("hpz", {"zero_hpz_partition_size": 2}),
+        ("zero3_free", free),
+        ("hpz_free", {"zero_hpz_partition_size": 2, **free}),
+    ):
         torch.manual_seed(0)
         model = _EmbedThenBlocks()
         apply_zero(model, zero_config(3, **extra))
@@ -220,12 +226,15 @@ def _sharded_after_forward(rank: int, world: int) -> dict:
 
 
 def test_root_stays_gathered_for_backward_unless_hpz(four_ranks):
-    # ZeRO-3 frees each block's gathered weights after forward, but the root (embeddings, head) is needed first
-    # by backward: keeping it saves an all-gather per step, as FSDP2's own default does. With hpZ the root keeps
-    # a secondary shard like the blocks.
+    # The root (embeddings, head) is needed first by backward: keeping it gathered saves an all-gather per step, as
+    # FSDP2's own default does. With hpZ the root keeps a secondary shard like the blocks. The blocks of this tiny
+    # model are within DeepSpeed's default reuse distance (1e9), so they stay gathered too, hpZ or not; with
+    # stage3_max_reuse_distance 0 every block is freed after its forward, the first one included.
     for res in (r["sharded"] for r in four_ranks):  # hpZ needs k=2 < the world
-        assert res["zero3"] == {"root": False, "block": True}, res
-        assert res["hpz"] == {"root": True, "block": True}, res
+        assert res["zero3"] == {"root": False, "block": False}, res
+        assert res["hpz"] == {"root": True, "block": False}, res
+        assert res["zero3_free"] == {"root": False, "block": True}, res
+        assert res["hpz_free"] == {"root": True, "block": True}, res
 
 
 def test_untied_embedding_and_head_are_units_of_their_own_at_stage3(four_ranks):
