@@ -29,6 +29,7 @@ from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
 from ds_plugin.runtime.host_memory import release_freed_host_memory, reuse_freed_host_memory
+from ds_plugin.zero.generation import held_gathered
 from ds_plugin.zero.gloo_comm import AllReduceScatter, InFlightReductions, RingAllGather
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, plan_for
@@ -219,6 +220,9 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
     ignored = set(whole.parameters()) if whole is not None else None
     root_after = False if root is True else root
     fully_shard(model, **{**kwargs, "reshard_after_forward": root_after, "ignored_params": ignored})
+    for block in kept:
+        # Runs after FSDP2's post-forward hook, which fully_shard registered first.
+        block.register_forward_hook(_free_without_backward)
     first = [m for m, _ in ends if isinstance(m, nn.Embedding)]  # the input embedding; a head is used last
     units = first + blocks + [m for m, _ in ends if m not in first]
     _set_prefetch(model, units, frozen_embeddings, kept, plan, mesh)
@@ -251,6 +255,16 @@ def _kept_blocks(model: nn.Module, blocks: list[nn.Module], plan: ZeroPlan) -> s
         kept.add(block)
         live += numel
     return kept
+
+
+def _free_without_backward(block: nn.Module, args: Any, output: Any) -> None:
+    # A kept block stays gathered for the backward that follows its forward. A forward without autograd has none
+    # (evaluation, a frozen reference or reward model's scores, reentrant activation checkpointing's first pass),
+    # so the block is freed as any other stage-3 block (DeepSpeed's trace likewise sees no reuse there); else a
+    # small frozen model would stay gathered whole. The root and an untied head keep FSDP2's behaviour (gathered
+    # after a forward either way). Inside `gathered_for_generation` every unit stays gathered on purpose.
+    if not torch.is_grad_enabled() and not held_gathered(block):
+        block.reshard()
 
 
 def _gloo_collectives(model: nn.Module) -> None:

@@ -16,6 +16,7 @@ bf16 model, codes for a quantized frozen base), as ZeRO-2 does; outside, ZeRO-3'
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["gathered_for_generation"]
+__all__ = ["gathered_for_generation", "held_gathered"]
+
+_HELD: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def held_gathered(unit: nn.Module) -> bool:
+    """Whether ``unit`` is inside a `gathered_for_generation` block, which keeps it gathered across forwards."""
+    return unit in _HELD
 
 
 def _param_groups(unit: FSDPModule) -> list[Any]:
@@ -73,11 +81,14 @@ def gathered_for_generation(model: nn.Module) -> Iterator[nn.Module]:
             for group in _param_groups(unit):
                 saved.append((group, group.post_forward_mesh_info))
                 group.post_forward_mesh_info = None  # FSDP2's post-forward then keeps the unit gathered
+        _HELD.update(units)
         for unit in units:
             unit.unshard()  # one all-gather per unit (a no-op for a unit already gathered)
         with torch.no_grad():
             yield model
     finally:
+        for unit in units:
+            _HELD.discard(unit)
         for group, info in saved:
             group.post_forward_mesh_info = info
         for state, auto in states:

@@ -263,11 +263,37 @@ def _prefetch(rank: int, world: int) -> dict:
                 "loss": train_engine(engine, rank, world, 3)["loss"],
                 "params": full_params(engine.module),
             }
+            if name == "ahead":
+                runs[name]["gathered"] = _gathered_after(engine, batch(9, rank, world))
         loss, params = runs["none"]["loss"], runs["none"]["params"]
         for run in runs.values():
             mine = run.pop("params")
             run["same"] = run.pop("loss") == loss and all(torch.equal(mine[k], params[k]) for k in params)
         out["prefetch", stage] = runs
+    return out
+
+
+def _gathered_after(engine, x: torch.Tensor) -> dict[str, tuple[bool, ...]]:
+    # Which blocks hold gathered (not DTensor) weights after a forward: with autograd (a backward follows), without
+    # (evaluation: nothing follows), and without inside gathered_for_generation (held on purpose).
+    from torch.distributed.tensor import DTensor
+
+    from ds_plugin.zero.generation import gathered_for_generation
+
+    def gathered() -> tuple[bool, ...]:
+        return tuple(not isinstance(b.mlp.c_fc.weight, DTensor) for b in engine.module.transformer.h)
+
+    out = {}
+    with torch.no_grad():
+        engine(input_ids=x)
+    out["no_grad"] = gathered()
+    loss = engine(input_ids=x, labels=x).loss
+    out["grad"] = gathered()
+    engine.backward(loss)
+    out["after_backward"] = gathered()
+    with gathered_for_generation(engine.module):
+        engine(input_ids=x)
+        out["generation"] = gathered()
     return out
 
 
@@ -371,6 +397,11 @@ def test_prefetch_budget_gathers_ahead_and_changes_no_number(two_ranks, stage):
         # With DeepSpeed's default reuse distance (1e9) every block stays gathered: backward fetches nothing.
         assert ahead["kept"] == (True, True)
         assert ahead["backward"] == (itself if stage == 3 else {u: [] for u in units})
+        # A kept block is freed after a forward without autograd (no backward to keep it for), stays gathered after
+        # one with autograd until its backward, and stays gathered inside gathered_for_generation.
+        expect = {"no_grad": (False, False), "grad": (True, True), "after_backward": (False, False)}
+        expect["generation"] = (True, True)
+        assert ahead["gathered"] == (expect if stage == 3 else {**expect, "no_grad": (True, True)})
         if stage == 3:
             # Only the last block kept: backward (h.1, then h.0) fetches h.0 ahead from the root and from h.1.
             for name in ("reuse", "live"):
