@@ -186,6 +186,14 @@ def _shard(model: nn.Module, plan: ZeroPlan, mesh: DeviceMesh, blocks: list[nn.M
             logger.info(stats.summary())
     # Blocks first, root last: the root then owns only what no block claimed (embeddings, final norm, head).
     kept = _kept_blocks(model, blocks, plan)
+    if kept and mesh.get_local_rank() == 0:
+        logger.info(
+            "stage 3 keeps the last %d of %d blocks gathered from forward to backward (%.1fM parameters; "
+            "stage3_max_reuse_distance 0 frees them all)",
+            len(kept),
+            len(blocks),
+            sum(_numel(b) for b in kept) / 1e6,
+        )
     for block in blocks:
         fully_shard(block, **{**kwargs, "reshard_after_forward": block not in kept and plan.reshard_after_forward})
     root = plan.reshard_after_forward
