@@ -251,34 +251,3 @@ def test_untied_embedding_and_head_are_units_of_their_own_at_stage3(four_ranks):
         assert res["llama2"]["between"] == {"embedding": False, "head": False, "norm": False}, res
         assert res["llama2"]["units"] == 0, res
         assert all(res[k]["grads"] for k in ("llama3", "gpt2_3", "llama2", "wrapped3")), res
-
-
-def test_blocks_kept_gathered_follow_deepspeeds_reuse_distance():
-    # Which stage-3 blocks stay gathered from forward to backward, at real sizes (built on the meta device).
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    from ds_plugin.zero.apply import _kept_blocks
-    from ds_plugin.zero.plan import resolve_plan
-
-    def kept(model: nn.Module, **zero) -> list[int]:
-        plan = resolve_plan({"zero_optimization": {"stage": 3, **zero}}, world_size=2)
-        blocks = find_blocks(model)
-        return sorted(blocks.index(b) for b in _kept_blocks(model, blocks, plan))
-
-    with torch.device("meta"):
-        llama7b = LlamaForCausalLM(
-            LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, vocab_size=32000)
-        )
-        gpt2_124m = GPT2LMHeadModel(GPT2Config())
-    # A 7B layer (202M elements) is bigger than the prefetch budget (5e7): nothing is kept, as before.
-    assert kept(llama7b) == []
-    # With a budget that fits it, DeepSpeed's default distance (1e9) keeps the last two layers: after layer 30's
-    # forward run layer 31, the norm and the head (about 0.33B elements) twice; after layer 29's, 0.54B twice.
-    assert kept(llama7b, stage3_prefetch_bucket_size=300_000_000) == [30, 31]
-    assert kept(llama7b, stage3_prefetch_bucket_size=300_000_000, stage3_max_live_parameters=300_000_000) == [31]
-    # GPT-2 124M: every block, within every default; a distance of 0 keeps none.
-    assert kept(gpt2_124m) == list(range(12))
-    assert kept(gpt2_124m, stage3_max_reuse_distance=0) == []
-    # Stage 2 keeps every block gathered by itself; there is nothing to choose.
-    plan2 = resolve_plan({"zero_optimization": {"stage": 2}}, world_size=2)
-    assert _kept_blocks(gpt2_124m, find_blocks(gpt2_124m), plan2) == set()
