@@ -40,7 +40,8 @@ RELEASE_DIRS = ("strategies", "accelerate", "kernels", "checkpoint")
 RELEASE_FILES = (
     "zero/test_zeropp_comm.py",  # qwZ/qgZ as FSDP2 custom collectives, against exact torch collectives
     "precision/test_fp8_all_gather.py",  # FP8 weights through fsdp_pre/post_all_gather, and their checkpoint
-    "zero/test_engine_features.py",  # prefetch lists, FSDP2's param groups
+    "zero/test_engine_features.py",  # FSDP2 state dicts and optimizer state across stages
+    "zero/test_gather_schedule.py",  # prefetch lists, kept blocks (post_forward_mesh_info), FSDP2's param groups
     "zero/test_gloo_comm.py",  # FSDP2 custom collectives on gloo, FSDP2's cast buffer
 )
 # Any test file whose name holds one of these is `release`, wherever it lives (checkpoint save/load over DCP).
