@@ -14,6 +14,7 @@ Default untimed/timed steps per run (`--warmup`/`--steps` override them for ever
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 __all__ = [
@@ -54,6 +55,8 @@ RUN_OVERHEAD_S_PER_MPARAM = 0.04
 DEEPSPEED_OVERHEAD_S = 6.0
 # Per-rank memory outside the model states: torch, transformers and the framework imported.
 BASE_RANK_MB = 800.0
+#: A run starts only if its estimated need is at most this share of the memory available.
+FIT_SHARE = 0.9
 
 
 def meta_params(size: str) -> int:
@@ -126,12 +129,32 @@ def estimate_rank_mb(name: str, dtype: str, size: str, world: int, params: int, 
 
 
 def will_not_fit(name: str, dtype: str, size: str, world: int, params: int, tokens: int) -> str | None:
-    """Why `world` ranks of this run would not fit in the memory available now (one line), or None if they would."""
+    """Why `world` ranks of this run would not fit in the memory available now (one line), or None if they would.
+
+    Runs follow one another: the previous run's ranks have exited, but the kernel hands their memory back over the
+    next seconds, so the available memory is read once it stops rising (`settled_available_mb`).
+    """
     need = world * estimate_rank_mb(name, dtype, size, world, params, tokens)
-    free = available_mb()
-    if free is None or need <= 0.9 * free:
+    free = settled_available_mb()
+    if free is None or need <= FIT_SHARE * free:
         return None
-    return f"not run: {world} ranks need ~{need / 1024:.1f} GB (rough estimate), {free / 1024:.1f} GB available"
+    return (
+        f"not run: {world} ranks need ~{need / 1024:.1f} GB (rough estimate), more than "
+        f"{FIT_SHARE:.0%} of the {free / 1024:.1f} GB available"
+    )
+
+
+def settled_available_mb(wait_s: float = 30.0, poll_s: float = 0.5) -> float | None:
+    """`available_mb`, read until two readings `poll_s` apart differ by under 1% (at most `wait_s` seconds)."""
+    last = available_mb()
+    deadline = time.monotonic() + wait_s
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        now = available_mb()
+        if now is None or abs(now - last) < 0.01 * last:
+            return now
+        last = now
+    return last
 
 
 def available_mb() -> float | None:
