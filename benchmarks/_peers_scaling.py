@@ -14,7 +14,6 @@ Default untimed/timed steps per run (`--warmup`/`--steps` override them for ever
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 __all__ = [
@@ -129,32 +128,15 @@ def estimate_rank_mb(name: str, dtype: str, size: str, world: int, params: int, 
 
 
 def will_not_fit(name: str, dtype: str, size: str, world: int, params: int, tokens: int) -> str | None:
-    """Why `world` ranks of this run would not fit in the memory available now (one line), or None if they would.
-
-    Runs follow one another: the previous run's ranks have exited, but the kernel hands their memory back over the
-    next seconds, so the available memory is read once it stops rising (`settled_available_mb`).
-    """
+    """Why `world` ranks of this run would not fit in the memory available now (one line), or None if they would."""
     need = world * estimate_rank_mb(name, dtype, size, world, params, tokens)
-    free = settled_available_mb()
+    free = available_mb()
     if free is None or need <= FIT_SHARE * free:
         return None
     return (
         f"not run: {world} ranks need ~{need / 1024:.1f} GB (rough estimate), more than "
         f"{FIT_SHARE:.0%} of the {free / 1024:.1f} GB available"
     )
-
-
-def settled_available_mb(wait_s: float = 30.0, poll_s: float = 0.5) -> float | None:
-    """`available_mb`, read until two readings `poll_s` apart differ by under 1% (at most `wait_s` seconds)."""
-    last = available_mb()
-    deadline = time.monotonic() + wait_s
-    while last is not None and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        now = available_mb()
-        if now is None or abs(now - last) < 0.01 * last:
-            return now
-        last = now
-    return last
 
 
 def available_mb() -> float | None:

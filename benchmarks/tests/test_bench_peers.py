@@ -86,16 +86,6 @@ def test_run_that_would_not_fit_is_skipped_with_a_reason(monkeypatch):
         assert row["reason"].endswith("more than 90% of the 1.0 GB available")
 
 
-def test_available_memory_is_read_once_it_stops_rising(monkeypatch):
-    # The previous run's ranks hand their memory back over a few seconds: the fit check waits for it.
-    readings = iter([10_000.0, 14_000.0, 17_000.0, 17_050.0, 99_999.0])
-    monkeypatch.setattr(scaling, "available_mb", lambda: next(readings))
-    monkeypatch.setattr(scaling.time, "sleep", lambda s: None)
-    assert scaling.settled_available_mb() == 17_050.0
-    monkeypatch.setattr(scaling, "available_mb", lambda: None)  # no /proc/meminfo: no guard
-    assert scaling.settled_available_mb() is None
-
-
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
