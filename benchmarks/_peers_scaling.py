@@ -7,8 +7,11 @@ from the model each run built (`meta_params` only feeds the estimates printed be
 - 124m: GPT-2 small, n_layer=12, n_embd=768, n_head=12 (124.4M);
 - 350m: GPT-2 medium, n_layer=24, n_embd=1024, n_head=16 (354.8M).
 
-Default untimed/timed steps per run (`--warmup`/`--steps` override them for every size): 16m 3/12, 124m 2/6,
-350m 1/3 — a run's timed steps then cost roughly the same on every size.
+Default untimed/timed steps per run (`--warmup`/`--steps` override them for every size): 16m 3/12, 124m 3/6,
+350m 3/3 — a run's timed steps then cost roughly the same on every size. Three untimed steps at every size: a
+rank's first steps fault its heap in page by page (the high-water mark of every buffer the step frees and
+allocates again): at 350m on one rank, ZeRO-1's second step took 1.7x its fifth and ZeRO-3's 2.5x, with 0.24M
+and 0.50M page faults (`ru_minflt`), the third and fourth 10-40k, none from the fifth on.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 VOCAB = 50257
 # (warmup, steps) per size when --warmup/--steps are not given.
-DEFAULT_STEPS: dict[str, tuple[int, int]] = {"16m": (3, 12), "124m": (2, 6), "350m": (1, 3)}
+DEFAULT_STEPS: dict[str, tuple[int, int]] = {"16m": (3, 12), "124m": (3, 6), "350m": (3, 3)}
 
 # Rough cost model of one training step, calibrated on this repository's 2-core Xeon (AVX512-bf16 and AMX): the
 # 16m runs of benchmarks/results/peers_cpu.json and one-thread matmuls of each size's shapes. 6 * params * tokens
