@@ -115,7 +115,8 @@ def estimate_rank_mb(name: str, dtype: str, size: str, world: int, params: int, 
     Model-state bytes per parameter: DDP keeps fp32 weights, gradients, its gradient buckets and AdamW's two
     moments whole (20; bf16 autocast adds a bf16 copy). ZeRO-1/2 keep whole weights and gradients and shard the
     optimizer's 12 bytes (8 + 12/N). ZeRO-3 and FSDP2 first hold the fp32 model as built and its shards (4 + 4/N),
-    later 16/N sharded, whichever is more, plus 2 for the blocks being gathered. DeepSpeed on CPU holds about twice
+    later 16/N sharded, whichever is more, plus 2 for the blocks being gathered (raw FSDP2 with torch's unfused
+    AdamW: 24/N and 3, fitted to its measured peaks at 124m and 350m). DeepSpeed on CPU holds about twice
     that (fitted to its peak RSS per rank at 350m in bf16 on 1 and 2 ranks, 2026-12-05: ZeRO-1/2 14.3 and 8.9 GB,
     ZeRO-3 16.1 and 10.6 GB): 10 + 30/N for ZeRO-1/2, 16 + 28/N for ZeRO-3. Activations: fp32 logits and their
     gradients, and about 90 bytes per token per layer per hidden unit. Plus the imports (more for DeepSpeed).
@@ -128,6 +129,8 @@ def estimate_rank_mb(name: str, dtype: str, size: str, world: int, params: int, 
         per_param = 10.0 + 30.0 / world if low_stage else 16.0 + 28.0 / world
     elif name.startswith("ds_plugin_zero") and low_stage:
         per_param = 8.0 + 12.0 / world
+    elif name == "fsdp2":  # torch's AdamW as a user writes it: foreach temporaries the size of the shards
+        per_param = max(4.0 + 4.0 / world, 24.0 / world) + 3.0
     else:
         per_param = max(4.0 + 4.0 / world, 16.0 / world) + 2.0
     acts = tokens * (VOCAB * 16 + shape["n_layer"] * shape["n_embd"] * 90)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 import benchmarks._peers_scaling as scaling
 from benchmarks import peers
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 ROW_KEYS = {"size", "params", "world_size", "name", "dtype", "median_step_s", "tokens_per_s_per_rank", "peak_rss_mb"}
 
@@ -84,6 +87,17 @@ def test_run_that_would_not_fit_is_skipped_with_a_reason(monkeypatch):
         assert row["world_size"] == 4 and "median_step_s" not in row
         assert row["reason"].startswith("not run: 4 ranks need ~") and "\n" not in row["reason"]
         assert row["reason"].endswith("more than 90% of the 1.0 GB available")
+
+
+def test_memory_estimates_cover_the_measured_peaks():
+    # The guard starts a run when its estimate fits in 90% of the memory available: an estimate under 90% of what
+    # a run really holds could start ranks the machine cannot hold. Checked against every measured row.
+    with open(RESULTS / "peers_scaling_cpu.json") as fh:
+        rows = [r for r in json.load(fh)["scaling"] if "peak_rss_mb" in r]
+    assert {r["size"] for r in rows} == {"16m", "124m", "350m"} and {r["world_size"] for r in rows} == {1, 2, 4}
+    for r in rows:
+        est = scaling.estimate_rank_mb(r["name"], r["dtype"], r["size"], r["world_size"], r["params"], 128 * 4)
+        assert est >= 0.9 * r["peak_rss_mb"], (r["size"], r["world_size"], r["name"], est, r["peak_rss_mb"])
 
 
 @pytest.mark.parametrize(
