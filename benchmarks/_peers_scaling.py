@@ -122,15 +122,14 @@ def estimate_rank_mb(name: str, dtype: str, size: str, world: int, params: int, 
     gradients, and about 90 bytes per token per layer per hidden unit. Plus the imports (more for DeepSpeed).
     """
     shape = SIZES[size]
-    low_stage = name[-1] in "12"
     if name == "ddp":
         per_param = 20.0 + (2.0 if dtype == "bf16" else 0.0)
-    elif name.startswith("deepspeed_zero"):
-        per_param = 10.0 + 30.0 / world if low_stage else 16.0 + 28.0 / world
-    elif name.startswith("ds_plugin_zero") and low_stage:
-        per_param = 8.0 + 12.0 / world
     elif name == "fsdp2":  # torch's AdamW as a user writes it: foreach temporaries the size of the shards
         per_param = max(4.0 + 4.0 / world, 24.0 / world) + 3.0
+    elif name.startswith("deepspeed_zero"):
+        per_param = 10.0 + 30.0 / world if name[-1] in "12" else 16.0 + 28.0 / world
+    elif name[-1] in "12":  # ds_plugin_zero1/2
+        per_param = 8.0 + 12.0 / world
     else:
         per_param = max(4.0 + 4.0 / world, 16.0 / world) + 2.0
     acts = tokens * (VOCAB * 16 + shape["n_layer"] * shape["n_embd"] * 90)
