@@ -266,6 +266,13 @@ class AllReduceScatter(CommBuffers):
 
 def _reduced_into(out: Tensor, mine: Tensor, op, world: int, dtype: torch.dtype) -> None:
     # This rank's chunk of the summed input, averaged for AVG, rounded to the reduction's `dtype` (FSDP2's output),
-    # then written into `out` (that output, or the buffer FSDP2 cast it into).
-    value = mine / world if op == dist.ReduceOp.AVG else mine
-    out.view(mine.shape).copy_(value.to(dtype))
+    # then written into `out` (that output, or the buffer FSDP2 cast it into). No temporary the size of the chunk
+    # where the dtypes allow: `mine` is the reduction's own buffer (a row of FSDP2's staging buffer, which nothing
+    # reads after the reduction, or qgZ's sum), so the average is taken in place, with the same numbers.
+    target = out.view(mine.shape)
+    if op == dist.ReduceOp.AVG:
+        if mine.dtype == dtype == out.dtype:
+            torch.div(mine, world, out=target)
+            return
+        mine.div_(world)
+    target.copy_(mine if mine.dtype == dtype else mine.to(dtype))
