@@ -10,7 +10,8 @@ keeps; all-reduce: 2(n-1)/n x tensor), summed over all collectives of the step o
 same amount). A collective whose group holds ranks of both nodes counts as inter-node in full; one whose group
 stays inside a node counts as intra-node. Quantized collectives count their INT8/INT4 codes and bf16 scales.
 Every config runs with `stage3_max_reuse_distance` 0, so each block is gathered in forward and again in backward
-(what a model too big to keep them gathered in between does).
+(what a model too big to keep them gathered in between does). Peer memory reads are off (`DS_PLUGIN_CMA=0`), so
+qgZ's in-node hop is quantized, as between GPUs; on CPU ranks of one host it is summed plain by default.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ds_plugin._argparse import ArgumentParser, count, output_file
 from ds_plugin.launch import run_ranks
+from ds_plugin.zero.cma import ENV as CMA_ENV
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3},
@@ -126,7 +128,9 @@ def run(n_layer: int = 4, n_embd: int = 256, seq: int = 128, steps: int = 2, tim
         _rank_worker,
         WORLD,
         timeout=timeout,
-        env={"LOCAL_WORLD_SIZE": str(RANKS_PER_NODE)},
+        # The collectives as they run between GPUs: with peer memory reads off, qgZ's in-node hop is quantized as it
+        # is there (between CPU ranks of one host it is summed plain instead: `QuantizedReduceScatter.plain_in_node`).
+        env={"LOCAL_WORLD_SIZE": str(RANKS_PER_NODE), CMA_ENV: "0"},
         n_layer=n_layer,
         n_embd=n_embd,
         seq=seq,
@@ -154,6 +158,7 @@ def run(n_layer: int = 4, n_embd: int = 256, seq: int = 128, steps: int = 2, tim
             "(n-1)x output, all-to-all input minus the kept chunk), rank 0, forward + backward; a collective whose "
             "group spans both nodes counts as inter-node in full; quantized collectives count codes + bf16 scales"
         ),
+        "peer_memory_reads": "off: qgZ's in-node hop quantized, as between GPUs",
         "configs": configs,
         "ratios": ratios,
         "torch": torch.__version__,

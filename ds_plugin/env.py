@@ -55,6 +55,13 @@ def _slowdown() -> str:
     return f"{bf16_matmul_slowdown():.1f}x (256x512 @ 512x512, one thread; about 1x or less with bf16 units)"
 
 
+def _peer_reads_row() -> str:
+    from ds_plugin.zero.cma import availability
+
+    ok, why = availability()
+    return f"yes ({why})" if ok else f"no ({why}; ring collectives send over gloo instead)"
+
+
 def _probe_value(fn) -> str:
     """A measured value, or the one-line reason it could not be measured."""
     try:
@@ -89,6 +96,7 @@ def collect_env() -> dict[str, Any]:
         "gloo backend (CPU)": _probe(lambda: dist.is_gloo_available() or "torch built without gloo"),
         "nccl backend (GPU)": _probe(lambda: (dist.is_nccl_available() and cuda) or "needs CUDA and NCCL"),
         "FSDP2 fully_shard": _probe(lambda: importlib.import_module("torch.distributed.fsdp").fully_shard and True),
+        "peer memory reads (CPU ranks of one host)": _probe_value(_peer_reads_row),
         "bf16 compute": _probe(lambda: (torch.ones(2, dtype=torch.bfloat16, device=device) * 2).sum() and True),
         "bf16 units (CPU)": _cpu_bf16_row(),
         "bf16/fp32 matmul time (CPU)": _probe_value(_slowdown),

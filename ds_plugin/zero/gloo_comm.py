@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_plugin.runtime.comms_logger import record_collective, unrecorded
+from ds_plugin.zero.cma import ring_link
 
 __all__ = [
     "AllReduceScatter",
@@ -37,6 +38,7 @@ __all__ = [
     "DeferredWork",
     "InFlightReductions",
     "RingAllGather",
+    "next_ring_tag",
     "ring_all_gather",
     "ring_reduce_scatter",
 ]
@@ -44,6 +46,11 @@ __all__ = [
 # Point-to-point tags: every rank makes the same ring calls in the same order (as with any collective), so a
 # counter gives each ring's messages the same tag on every rank and keeps rings in flight at once apart.
 _TAGS = itertools.count(1)
+
+
+def next_ring_tag() -> int:
+    """The tag of the next ring (rings not started by this module, such as qgZ's in-node hop, take theirs here)."""
+    return next(_TAGS)
 
 
 class DeferredWork(dist.Work):
@@ -60,13 +67,19 @@ class DeferredWork(dist.Work):
         return True
 
 
-def _ring(group: dist.ProcessGroup, send_row, recv_row, rows: Tensor, after_recv=None):
-    # World - 1 steps; step s sends rows[send_row(s)] to the next rank and receives rows[recv_row(s)] (or a
-    # scratch chunk, for `after_recv` to use) from the previous one. Step 0 goes out now; `finish` does the rest.
+def _ring(group: dist.ProcessGroup, send_row, recv_row, rows: Tensor, add: bool = False):
+    # World - 1 steps; step s sends rows[send_row(s)] to the next rank and receives rows[recv_row(s)] from the
+    # previous one (with `add`, sums what it receives into that row). Step 0 goes out now; `finish` does the rest.
+    # Between ranks of one host the steps read the peer's memory instead (`ds_plugin.zero.cma`).
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    nxt, prev = (dist.get_global_rank(group, (rank + k) % world) for k in (1, -1))
     tag = next(_TAGS)
-    scratch = None if after_recv is None else torch.empty_like(rows[0])
+    if world == 1:
+        return lambda: None
+    link = ring_link(group)
+    if link is not None:
+        return link.ring(rows, world - 1, send_row, recv_row, add, tag)
+    nxt, prev = (dist.get_global_rank(group, (rank + k) % world) for k in (1, -1))
+    scratch = torch.empty_like(rows[0]) if add else None
 
     def step(s: int) -> list:
         into = rows[recv_row(s)] if scratch is None else scratch
@@ -74,15 +87,15 @@ def _ring(group: dist.ProcessGroup, send_row, recv_row, rows: Tensor, after_recv
             return [dist.irecv(into, prev, group=group, tag=tag),
                     dist.isend(rows[send_row(s)], nxt, group=group, tag=tag)]  # fmt: skip
 
-    pending = step(0) if world > 1 else []
+    pending = step(0)
 
     def finish() -> None:
         nonlocal pending
         for s in range(world - 1):
             for work in pending:
                 work.wait()
-            if after_recv is not None:
-                after_recv(s, scratch)
+            if add:
+                rows[recv_row(s)].add_(scratch)
             pending = step(s + 1) if s + 2 < world else []
 
     return finish
@@ -121,10 +134,8 @@ def ring_reduce_scatter(input_tensor: Tensor, group: dist.ProcessGroup, async_op
     rows = input_tensor.view(world, -1)
     record_collective("reduce_scatter_tensor", group, input_tensor.nbytes, rows[rank].nbytes)
 
-    def add(s: int, received: Tensor) -> None:  # the partial sum of chunk rank - s - 2 from the ranks before
-        rows[(rank - s - 2) % world].add_(received)
-
-    finish = _ring(group, lambda s: (rank - s - 1) % world, None, rows, after_recv=add)
+    # Step s adds the partial sum of chunk rank - s - 2 from the ranks before into this rank's partial sum of it.
+    finish = _ring(group, lambda s: (rank - s - 1) % world, lambda s: (rank - s - 2) % world, rows, add=True)
     if async_op:
         return rows[rank], DeferredWork(finish)
     finish()

@@ -117,46 +117,114 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _ring_collectives(rank: int, world: int) -> dict:
-    # The ring against gloo's own collectives: gathers bit for bit (-0.0, NaN payloads, infinities; in place, as
-    # FSDP2 calls them, with stale values in the other rows), sums equal to gloo's (bit for bit on 2 ranks, where
-    # both add the same two numbers; within rounding on more, where the order differs). Three rings of each are in
-    # flight at once, issued before any is waited on, as FSDP2's prefetch and the in-flight reductions do.
+    # The ring against gloo's own collectives, over both transports: reads from the peers' memory (`cma`, the
+    # default between ranks of one host) and gloo's sends (what ranks on other hosts use). Gathers bit for bit
+    # (-0.0, NaN payloads, infinities; in place, as FSDP2 calls them, with stale values in the other rows), sums
+    # equal to gloo's (bit for bit on 2 ranks, where both add the same two numbers; within rounding on more, where
+    # the order differs). Three rings of each are in flight at once, issued before any is waited on, as FSDP2's
+    # prefetch and the in-flight reductions do.
+    import torch.distributed as dist
+
+    from ds_plugin.zero import cma, gloo_comm
+
+    group, out = dist.group.WORLD, {"cma active": cma.ring_link(dist.group.WORLD) is not None}
+    for transport in ("cma", "gloo sends"):
+        real = gloo_comm.ring_link
+        if transport == "gloo sends":
+            gloo_comm.ring_link = lambda group: None
+        try:
+            for dtype in (torch.float32, torch.bfloat16):
+                out[transport, str(dtype)] = _rings_against_gloo(rank, world, group, dtype)
+        finally:
+            gloo_comm.ring_link = real
+    return out
+
+
+def _rings_against_gloo(rank: int, world: int, group, dtype) -> tuple[bool, bool]:
     import torch.distributed as dist
 
     from ds_plugin.zero.gloo_comm import ring_all_gather, ring_reduce_scatter
 
-    group, out = dist.group.WORLD, {}
-    for dtype in (torch.float32, torch.bfloat16):
-        gen = torch.Generator().manual_seed(rank)
-        chunks = [torch.randn(1000 + k, generator=gen).to(dtype) for k in range(3)]
-        chunks[0][:4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0])
-        chunks[0].view(torch.int16)[4] = 0x7FC1 + rank  # a NaN with a payload (bf16) / half of one (fp32)
-        gathers, works = [], []
-        for c in chunks:
-            into = torch.full((world * c.numel(),), float("nan"), dtype=dtype)
-            own = into.view(world, -1)[rank]
-            own.copy_(c)
-            gathers.append(into)
-            works.append(ring_all_gather(into, own, group, async_op=True))
-        sums = [torch.randn(world * (64 + k), generator=gen).to(dtype) for k in range(3)]
-        reduced = [ring_reduce_scatter(x.clone(), group, async_op=True) for x in sums]
-        exact, close = True, True
-        for c, into, work, x, (mine, rs_work) in zip(chunks, gathers, works, sums, reduced, strict=True):
-            assert isinstance(work, dist.Work) and isinstance(rs_work, dist.Work)  # what FSDP2 waits on
-            work.wait()
-            rs_work.wait()
-            theirs = torch.empty_like(into)
-            dist.all_gather_into_tensor(theirs, c)
-            exact &= torch.equal(into.view(torch.int16), theirs.view(torch.int16))
-            want = torch.empty_like(mine)
-            dist.reduce_scatter_tensor(want, x)
-            close &= torch.equal(mine, want) if world == 2 else torch.allclose(mine.float(), want.float(), atol=0.05)
-        out[str(dtype)] = exact, close
-    return out
+    gen = torch.Generator().manual_seed(rank)
+    chunks = [torch.randn(1000 + k, generator=gen).to(dtype) for k in range(3)]
+    chunks[0][:4] = torch.tensor([-0.0, float("inf"), float("-inf"), 0.0])
+    chunks[0].view(torch.int16)[4] = 0x7FC1 + rank  # a NaN with a payload (bf16) / half of one (fp32)
+    gathers, works = [], []
+    for c in chunks:
+        into = torch.full((world * c.numel(),), float("nan"), dtype=dtype)
+        own = into.view(world, -1)[rank]
+        own.copy_(c)
+        gathers.append(into)
+        works.append(ring_all_gather(into, own, group, async_op=True))
+    sums = [torch.randn(world * (64 + k), generator=gen).to(dtype) for k in range(3)]
+    reduced = [ring_reduce_scatter(x.clone(), group, async_op=True) for x in sums]
+    exact, close = True, True
+    for c, into, work, x, (mine, rs_work) in zip(chunks, gathers, works, sums, reduced, strict=True):
+        assert isinstance(work, dist.Work) and isinstance(rs_work, dist.Work)  # what FSDP2 waits on
+        work.wait()
+        rs_work.wait()
+        theirs = torch.empty_like(into)
+        dist.all_gather_into_tensor(theirs, c)
+        exact &= torch.equal(into.view(torch.int16), theirs.view(torch.int16))
+        want = torch.empty_like(mine)
+        dist.reduce_scatter_tensor(want, x)
+        close &= torch.equal(mine, want) if world == 2 else torch.allclose(mine.float(), want.float(), atol=0.05)
+    return exact, close
 
 
 def _three_ranks(rank: int, world: int) -> dict:
-    return _ring_collectives(rank, world)
+    # Rings of two steps, over both transports; then what happens when a read from a peer's memory fails, and when
+    # the ranks of a group disagree about sharing a host.
+    import torch.distributed as dist
+
+    from ds_plugin.zero import cma
+    from ds_plugin.zero.gloo_comm import ring_all_gather
+
+    out = _ring_collectives(rank, world)
+    rows = torch.arange(world * 5, dtype=torch.float32).view(world, 5)
+    if out["cma active"]:
+        # Rank 0's read fails mid-ring: it raises one line with the fix, the others finish the ring, and the next
+        # ring on every rank goes through (no message was left unsent or unmatched).
+        real = cma.read_from
+
+        def failing(pid, address, into):
+            raise OSError(1, "Operation not permitted")
+
+        cma.read_from = failing if rank == 0 else real
+        got = torch.zeros_like(rows)
+        got[rank] = rows[rank]
+        try:
+            ring_all_gather(got, got[rank], dist.group.WORLD)
+            out["failed read"] = "no error"
+        except RuntimeError as e:
+            out["failed read"] = str(e)
+        finally:
+            cma.read_from = real
+        again = torch.zeros_like(rows)
+        again[rank] = rows[rank]
+        ring_all_gather(again, again[rank], dist.group.WORLD)
+        out["ring after the failure"] = torch.equal(again, rows)
+    # A group whose ranks do not all share a host (rank 1 says it is elsewhere) sends over gloo on every rank.
+    real_key = cma._host_key
+    cma._host_key = (lambda: ("elsewhere",)) if rank == 1 else real_key
+    try:
+        apart = dist.new_group(list(range(world)))
+        out["apart uses cma"] = cma.ring_link(apart) is not None
+        got = torch.zeros_like(rows)
+        got[rank] = rows[rank]
+        ring_all_gather(got, got[rank], apart)
+        out["apart gather"] = torch.equal(got, rows)
+    finally:
+        cma._host_key = real_key
+    return out
+
+
+def _cma_expected() -> bool:
+    # Whether this machine lets one process read another's memory (checked on this process itself): then the rings
+    # between the test's ranks must use it.
+    from ds_plugin.zero import cma
+
+    return cma.availability()[0]
 
 
 def _reduce_scatters(module) -> list:
@@ -173,7 +241,11 @@ def two_ranks() -> list[dict]:
 
 def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
     for r in two_ranks:
-        assert r["ring"] == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}
+        ring = r["ring"]
+        assert ring["cma active"] == _cma_expected()
+        for transport in ("cma", "gloo sends"):
+            for dtype in ("torch.float32", "torch.bfloat16"):
+                assert ring[transport, dtype] == (True, True), (transport, dtype)
         assert r["qgz collectives"] == ["QuantizedReduceScatter"]  # qgZ kept its place, and overlapped (below)
         # gloo's reduce-scatter and all-gather in the rings' place: the same numbers.
         assert r["gloo", 1] and r["gloo", 2] and r["gloo", 3]
@@ -196,5 +268,17 @@ def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
 
 def test_rings_of_three_ranks():
     # Three ranks: each ring takes two steps, the second issued when the first has landed.
-    for r in run_ranks(_three_ranks, 3, timeout=120):
-        assert r == {"torch.float32": (True, True), "torch.bfloat16": (True, True)}
+    expected = _cma_expected()
+    for rank, r in enumerate(run_ranks(_three_ranks, 3, timeout=120)):
+        assert r["cma active"] == expected, r
+        for transport in ("cma", "gloo sends"):
+            for dtype in ("torch.float32", "torch.bfloat16"):
+                assert r[transport, dtype] == (True, True), (transport, dtype)
+        if expected:
+            if rank == 0:
+                assert r["failed read"].startswith("ds_plugin: reading a ring row from rank 2's memory failed")
+                assert "Operation not permitted" in r["failed read"] and "DS_PLUGIN_CMA=0" in r["failed read"]
+            else:
+                assert r["failed read"] == "no error"
+            assert r["ring after the failure"]
+        assert r["apart uses cma"] is False and r["apart gather"]

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_plugin.launch import run_ranks
+from ds_plugin.zero.cma import ring_link
 from ds_plugin.zero.zeropp import QuantizedAllGather, QuantizedReduceScatter, node_groups
 
 BLOCK = 256  # the quantization block these tests ask for
@@ -36,13 +37,17 @@ def _reduce_scatter_bounds(parts: torch.Tensor, rank: int, local: int = 2) -> di
     world, j, node = parts.shape[0], rank % local, rank // local
     one_hop = sum(_half_steps(parts[s]) for s in range(world) if s != rank)
     two_hop = torch.zeros_like(parts[0])
+    plain = torch.zeros_like(parts[0])  # hop 1 summed plain (in the input's dtype), only hop 2 rounded to INT4
     for m in range(world // local):
         members = range(m * local, (m + 1) * local)
         hop1 = sum((_half_steps(parts[s]) for s in members if s != m * local + j), torch.zeros_like(parts[0]))
         two_hop += hop1
+        partial = parts[list(members)].sum(0).abs()
+        plain += partial * 2**-8  # the partial sum rounded to the input's dtype (bf16: half a spacing, 2**-9)
         if m != node:
-            two_hop += _half_steps(parts[list(members)].sum(0).abs() + hop1)
-    return {"one_hop": one_hop, "two_hop": two_hop}
+            two_hop += _half_steps(partial + hop1)
+            plain += _half_steps(partial * (1 + 2**-8))
+    return {"one_hop": one_hop, "two_hop": two_hop, "two_hop_plain_in_node": plain}
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -90,14 +95,23 @@ def _worker(rank: int, world: int) -> dict:
             parts = torch.stack([e.double().view(world, shard)[rank] for e in every])
             exact = parts.sum(0)
             bounds = _reduce_scatter_bounds(parts, rank)
+            # The default takes hop 1 plain where the node's ranks read each other's memory (`cma`), as here.
+            bounds["two_hop"] = bounds["two_hop_plain_in_node" if ring_link(intra) is not None else "two_hop"]
+            bounds["two_hop_int4_in_node"] = _reduce_scatter_bounds(parts, rank)["two_hop"]
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 div = world if op == dist.ReduceOp.AVG else 1
                 for name, comm in (
                     ("one_hop", QuantizedReduceScatter(block_size=BLOCK)),
                     ("two_hop", QuantizedReduceScatter(block_size=BLOCK, intra_group=intra, inter_group=inter)),
+                    (
+                        "two_hop_int4_in_node",
+                        QuantizedReduceScatter(
+                            block_size=BLOCK, intra_group=intra, inter_group=inter, plain_in_node=False
+                        ),
+                    ),
                 ):
                     out = torch.empty(shard, dtype=dtype)
-                    comm(out, g, dist.group.WORLD, op)
+                    comm(out, g.clone(), dist.group.WORLD, op)  # a reduction consumes its input (FSDP2's staging)
                     err = (out.double() - exact / div).abs()
                     # The rounding bound, fp32 sums (a few 2**-24 of the terms), and the output dtype's rounding
                     # of the result (bf16: half a spacing, at most 2**-8 of it).
@@ -114,12 +128,12 @@ def _worker(rank: int, world: int) -> dict:
                         piecewise = torch.empty_like(out)
                         QuantizedReduceScatter(
                             block_size=BLOCK, intra_group=intra, inter_group=inter, piece_numel=2 * BLOCK
-                        )(piecewise, g, dist.group.WORLD, op)
+                        )(piecewise, g.clone(), dist.group.WORLD, op)
                         results[f"rs_pieces_equal_{op}_{dtype}_{shard}"] = torch.equal(piecewise, out)
                     if op == dist.ReduceOp.SUM:
                         # Two reductions in flight at once, as the CPU engine lands one while it issues the next:
                         # each is the same sum as when it ran alone.
-                        first = comm._start(g, dist.group.WORLD)
+                        first = comm._start(g.clone(), dist.group.WORLD)
                         second = comm._start(g.flip(0), dist.group.WORLD)
                         alone = torch.empty_like(out)
                         comm(alone, g.flip(0), dist.group.WORLD, op)

@@ -69,7 +69,9 @@ def _worker(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_zeropp_converges_like_zero3():
-    results = run_ranks(_worker, 4, timeout=850, env={"LOCAL_WORLD_SIZE": "2"})
+    # Peer memory reads off: qgZ quantizes its in-node hop too, as between GPUs (the harder case; between CPU ranks
+    # of one host that hop is summed plain, which only removes rounding).
+    results = run_ranks(_worker, 4, timeout=850, env={"LOCAL_WORLD_SIZE": "2", "DS_PLUGIN_CMA": "0"})
     for dtype in ("bf16", "fp16"):
         # Each rank's own loss differs (different data); average the last 20 steps over all ranks.
         final = {
