@@ -221,7 +221,7 @@ def ring_link(group: dist.ProcessGroup) -> RingLink | None:
     key = id(group)
     if key in _links and _links[key][0] is group:
         return _links[key][1]
-    link = _probe(group) if enabled() else None
+    link = _probe(group)
     _links[key] = (group, link)
     return link
 
@@ -235,8 +235,10 @@ def _probe(group: dist.ProcessGroup) -> RingLink | None:
     mine = (_host_key(), os.getpid(), marker.data_ptr(), int(marker))
     everyone: list = [None] * world
     with unrecorded():
+        # Every rank takes part, also where it is turned off here (a rank that left the collectives out would hang
+        # the others): the all-reduce below turns it off for the whole group.
         dist.all_gather_object(everyone, mine, group=group)
-        ok = mine[0] is not None and all(e[0] == mine[0] for e in everyone)
+        ok = enabled() and mine[0] is not None and all(e[0] == mine[0] for e in everyone)
         if ok:
             _, pid, address, value = everyone[prev]
             seen = torch.empty(1, dtype=torch.int64)

@@ -225,8 +225,8 @@ class QuantizedReduceScatter(AllReduceScatter):
         plain_in_node: on CPU ranks whose node's ranks can read each other's memory (`ds_plugin.zero.cma`), sum
             the first hop plain instead of through INT4: a ring reduce-scatter that reads the peers' rows and adds
             them in the input's dtype. Only the hop across nodes is quantized then (DeepSpeed quantizes both), which
-            costs less CPU and rounds once less: on `ds-plugin bench slow-link`, 0.24-0.26 CPU-s per rank per step
-            against 0.28-0.33 s, the step 0.79 s against 0.89 s. False keeps the INT4 first hop everywhere.
+            costs less CPU and rounds once less: on `ds-plugin bench slow-link`, 0.23-0.26 CPU-s per rank per step
+            against 0.28-0.33 s, the step 0.79-0.80 s against 0.89 s. False keeps the INT4 first hop everywhere.
 
     The input, FSDP2's staging buffer, is overwritten (as by the ring reduction).
     """
@@ -288,13 +288,7 @@ class QuantizedReduceScatter(AllReduceScatter):
             hop2.append(_Exchange(hop1[k].sum(), block, self.inter_group, compiled))
             hop1[k] = None  # summed: its buffers can go
 
-        def finish() -> Tensor:
-            total = torch.empty(numel, dtype=torch.float32, device=chunks.device)
-            for (start, end), exchange in zip(pieces, hop2, strict=True):
-                total[start:end] = exchange.sum()
-            return total
-
-        return finish
+        return _landing(hop2, pieces, numel, chunks.device)
 
     def _plain_in_node(self, by_local: Tensor, pieces: list, block: int, compiled: bool, link) -> Callable[[], Tensor]:
         # Hop 1 without INT4: the node's ranks can read each other's memory (`cma.ring_link`), so the in-node sum is
@@ -313,13 +307,18 @@ class QuantizedReduceScatter(AllReduceScatter):
             ring()
             hop2.append(_Exchange(by_local[me][:, a:b], block, self.inter_group, compiled))
 
-        def finish() -> Tensor:
-            total = torch.empty(by_local.shape[-1], dtype=torch.float32, device=by_local.device)
-            for (start, end), exchange in zip(pieces, hop2, strict=True):
-                total[start:end] = exchange.sum()
-            return total
+        return _landing(hop2, pieces, by_local.shape[-1], by_local.device)
 
-        return finish
+
+def _landing(hop2: list, pieces: list, numel: int, device: torch.device) -> Callable[[], Tensor]:
+    # Waits for each piece's hop 2 in turn and decodes it into this rank's fp32 sum, while later pieces still travel.
+    def finish() -> Tensor:
+        total = torch.empty(numel, dtype=torch.float32, device=device)
+        for (start, end), exchange in zip(pieces, hop2, strict=True):
+            total[start:end] = exchange.sum()
+        return total
+
+    return finish
 
 
 class _Exchange:

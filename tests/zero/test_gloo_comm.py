@@ -174,14 +174,23 @@ def _rings_against_gloo(rank: int, world: int, group, dtype) -> tuple[bool, bool
 
 def _three_ranks(rank: int, world: int) -> dict:
     # Rings of two steps, over both transports; then what happens when a read from a peer's memory fails, and when
-    # the ranks of a group disagree about sharing a host.
+    # the ranks of a group disagree about sharing a host or about using it.
+    import os
+
     import torch.distributed as dist
 
     from ds_plugin.zero import cma
     from ds_plugin.zero.gloo_comm import ring_all_gather
 
-    out = _ring_collectives(rank, world)
     rows = torch.arange(world * 5, dtype=torch.float32).view(world, 5)
+
+    def gathered(group) -> bool:  # a ring all-gather of `rows` on `group` gives every rank all of them
+        got = torch.zeros_like(rows)
+        got[rank] = rows[rank]
+        ring_all_gather(got, got[rank], group)
+        return torch.equal(got, rows)
+
+    out = _ring_collectives(rank, world)
     if out["cma active"]:
         # Rank 0's read fails mid-ring: it raises one line with the fix, the others finish the ring, and the next
         # ring on every rank goes through (no message was left unsent or unmatched).
@@ -191,31 +200,29 @@ def _three_ranks(rank: int, world: int) -> dict:
             raise OSError(1, "Operation not permitted")
 
         cma.read_from = failing if rank == 0 else real
-        got = torch.zeros_like(rows)
-        got[rank] = rows[rank]
         try:
-            ring_all_gather(got, got[rank], dist.group.WORLD)
+            gathered(dist.group.WORLD)
             out["failed read"] = "no error"
         except RuntimeError as e:
             out["failed read"] = str(e)
         finally:
             cma.read_from = real
-        again = torch.zeros_like(rows)
-        again[rank] = rows[rank]
-        ring_all_gather(again, again[rank], dist.group.WORLD)
-        out["ring after the failure"] = torch.equal(again, rows)
-    # A group whose ranks do not all share a host (rank 1 says it is elsewhere) sends over gloo on every rank.
+        out["ring after the failure"] = gathered(dist.group.WORLD)
+    # A group whose ranks do not all share a host (rank 1 says it is elsewhere) sends over gloo on every rank; so does
+    # one where a rank turned it off (DS_PLUGIN_CMA=0 in its environment only), and no rank hangs in the probe.
     real_key = cma._host_key
     cma._host_key = (lambda: ("elsewhere",)) if rank == 1 else real_key
     try:
         apart = dist.new_group(list(range(world)))
-        out["apart uses cma"] = cma.ring_link(apart) is not None
-        got = torch.zeros_like(rows)
-        got[rank] = rows[rank]
-        ring_all_gather(got, got[rank], apart)
-        out["apart gather"] = torch.equal(got, rows)
+        out["apart"] = cma.ring_link(apart) is not None, gathered(apart)
     finally:
         cma._host_key = real_key
+    os.environ[cma.ENV] = "0" if rank == 2 else "1"
+    try:
+        mixed = dist.new_group(list(range(world)))
+        out["mixed"] = cma.ring_link(mixed) is not None, gathered(mixed)
+    finally:
+        os.environ.pop(cma.ENV)
     return out
 
 
@@ -281,4 +288,4 @@ def test_rings_of_three_ranks():
             else:
                 assert r["failed read"] == "no error"
             assert r["ring after the failure"]
-        assert r["apart uses cma"] is False and r["apart gather"]
+        assert r["apart"] == (False, True) and r["mixed"] == (False, True)  # (uses cma, gathered right)
