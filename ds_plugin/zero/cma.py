@@ -115,7 +115,10 @@ def availability() -> tuple[bool, str]:
     try:
         read_from(os.getpid(), probe.data_ptr(), seen)
     except OSError as exc:
-        return False, f"process_vm_readv refused ({exc.strerror}; a container may filter it)"
+        return False, (
+            f"process_vm_readv refused ({exc.strerror}); in a container, allow it with --cap-add SYS_PTRACE or a "
+            "seccomp profile that permits process_vm_readv"
+        )
     return int(seen) == 0x5EED, "ranks of one host read each other's memory in ring collectives"
 
 
