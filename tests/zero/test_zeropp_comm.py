@@ -62,10 +62,17 @@ def _worker(rank: int, world: int) -> dict:
             dist.all_gather_into_tensor(exact, x)  # the reference: the exact collective
             got = torch.empty_like(exact)
             QuantizedAllGather(block_size=256)(got, x, dist.group.WORLD)
-            # Across nodes first, then inside: the same codes and scales end in the same places.
+            # Across nodes first, then inside: the same codes and scales end in the same places. Inside the node the
+            # default moves decoded rows where the ranks read each other's memory (`cma`), codes otherwise: the same
+            # bits either way.
             two_level = torch.empty_like(exact)
             QuantizedAllGather(block_size=256, intra_group=intra, inter_group=inter)(two_level, x, dist.group.WORLD)
             results[f"ag_two_level_equal_{dtype}_{shard}"] = torch.equal(two_level, got)
+            codes_in_node = torch.empty_like(exact)
+            QuantizedAllGather(block_size=256, intra_group=intra, inter_group=inter, plain_in_node=False)(
+                codes_in_node, x, dist.group.WORLD
+            )
+            results[f"ag_two_level_codes_in_node_equal_{dtype}_{shard}"] = torch.equal(codes_in_node, got)
             # hpZ's backward gather runs in the node group: it must stay one level, inside the node.
             in_node = torch.empty(2 * shard, dtype=dtype)
             QuantizedAllGather(block_size=256, intra_group=intra, inter_group=inter)(in_node, x, intra)
