@@ -154,7 +154,7 @@ class RingLink:
         self._lock = threading.Lock()
 
     def ring(self, rows: Tensor, steps: int, send_row, recv_row, add: bool, tag: int) -> Callable[[], None]:
-        """Start `steps` ring steps (as `gloo_comm._ring`); the returned call waits for them."""
+        """Start `steps` ring steps (as `gloo_comm.ring` schedules them); the returned call waits for them."""
         with self._lock:
             if self._reader is None:  # started at first use, in the process that runs the ring (not before a fork)
                 self._reader = _Reader()

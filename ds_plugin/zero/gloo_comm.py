@@ -38,7 +38,7 @@ __all__ = [
     "DeferredWork",
     "InFlightReductions",
     "RingAllGather",
-    "next_ring_tag",
+    "ring",
     "ring_all_gather",
     "ring_reduce_scatter",
 ]
@@ -46,11 +46,6 @@ __all__ = [
 # Point-to-point tags: every rank makes the same ring calls in the same order (as with any collective), so a
 # counter gives each ring's messages the same tag on every rank and keeps rings in flight at once apart.
 _TAGS = itertools.count(1)
-
-
-def next_ring_tag() -> int:
-    """The tag of the next ring (rings not started by this module, such as qgZ's in-node hop, take theirs here)."""
-    return next(_TAGS)
 
 
 class DeferredWork(dist.Work):
@@ -67,14 +62,24 @@ class DeferredWork(dist.Work):
         return True
 
 
-def _ring(group: dist.ProcessGroup, send_row, recv_row, rows: Tensor, add: bool = False):
-    # World - 1 steps; step s sends rows[send_row(s)] to the next rank and receives rows[recv_row(s)] from the
-    # previous one (with `add`, sums what it receives into that row). Step 0 goes out now; `finish` does the rest.
-    # Between ranks of one host the steps read the peer's memory instead (`ds_plugin.zero.cma`).
+def ring(rows: Tensor, group: dist.ProcessGroup, add: bool = False) -> Callable[[], None]:
+    """Start a ring over `group` on `rows` (one per rank, rank-major); the returned call completes it.
+
+    Without `add`, an all-gather: this rank's row is filled, and every other row ends as its owner's. With `add`,
+    a reduce-scatter: every rank's rows are summed into this rank's own row (the others end as partial sums).
+    World - 1 steps; step s sends one row to the next rank and receives one from the previous. Step 0 goes out now,
+    the rest when the returned call runs. Between ranks of one host the steps read the peer's memory instead
+    (`ds_plugin.zero.cma`); only there may a row be 2-d with contiguous rows (a strided view), gloo's sends need
+    each row contiguous.
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     tag = next(_TAGS)
     if world == 1:
         return lambda: None
+    if add:  # step s adds the partial sum of row rank - s - 2 from the ranks before into this rank's partial sum
+        send_row, recv_row = (lambda s: (rank - s - 1) % world), (lambda s: (rank - s - 2) % world)
+    else:  # step s passes on the row received at step s - 1 (at step 0, this rank's own)
+        send_row, recv_row = (lambda s: (rank - s) % world), (lambda s: (rank - s - 1) % world)
     link = ring_link(group)
     if link is not None:
         return link.ring(rows, world - 1, send_row, recv_row, add, tag)
@@ -116,8 +121,7 @@ def ring_all_gather(output: Tensor, input_tensor: Tensor, group: dist.ProcessGro
     if mine.data_ptr() != rows[rank].data_ptr():
         rows[rank].copy_(mine)
     record_collective("all_gather_into_tensor", group, rows[rank].nbytes, output.nbytes)
-    # Step s passes on the chunk received at step s - 1 (at step 0, this rank's own).
-    finish = _ring(group, lambda s: (rank - s) % world, lambda s: (rank - s - 1) % world, rows)
+    finish = ring(rows, group)
     if async_op:
         return DeferredWork(finish)
     finish()
@@ -133,9 +137,7 @@ def ring_reduce_scatter(input_tensor: Tensor, group: dist.ProcessGroup, async_op
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rows = input_tensor.view(world, -1)
     record_collective("reduce_scatter_tensor", group, input_tensor.nbytes, rows[rank].nbytes)
-
-    # Step s adds the partial sum of chunk rank - s - 2 from the ranks before into this rank's partial sum of it.
-    finish = _ring(group, lambda s: (rank - s - 1) % world, lambda s: (rank - s - 2) % world, rows, add=True)
+    finish = ring(rows, group, add=True)
     if async_op:
         return rows[rank], DeferredWork(finish)
     finish()

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
 from ds_plugin.runtime.comms_logger import record_collective
 from ds_plugin.zero.cma import ring_link
-from ds_plugin.zero.gloo_comm import AllReduceScatter, CommBuffers, DeferredWork, next_ring_tag
+from ds_plugin.zero.gloo_comm import AllReduceScatter, CommBuffers, DeferredWork, ring
 
 __all__ = [
     "QuantizedAllGather",
@@ -142,7 +142,7 @@ class QuantizedAllGather(CommBuffers):
         # real codes travel; receivers pad each rank's codes back the same way.
         codes, scales = quantize_rows(input_tensor.view(1, -1), block, 8, compiled=compiled)
         codes = codes.reshape(-1)
-        link = None
+        plain = False
         if self._two_level(group):
             # Inter-node first: row n of the result is node n's shard for this local index. Then inside the node:
             # row j holds local rank j's rows of every node, so rank (n, j) ends at [j, n]: a transposed view of
@@ -150,8 +150,7 @@ class QuantizedAllGather(CommBuffers):
             local, nodes = dist.get_world_size(self.intra_group), dist.get_world_size(self.inter_group)
             levels = (self.inter_group, self.intra_group)
             out = output_tensor.view(nodes, local, shard).transpose(0, 1)
-            if self.plain_in_node and output_tensor.device.type == "cpu":
-                link = ring_link(self.intra_group)
+            plain = self.plain_in_node and _reads_peers(output_tensor, self.intra_group)
         else:
             levels = (group,)
             out = output_tensor.view(world, shard)
@@ -159,8 +158,8 @@ class QuantizedAllGather(CommBuffers):
         flights = [_Gathering(codes[a:b], scales[a // block : -(-b // block)], levels[0]) for a, b in pieces]
 
         def land() -> None:
-            if link is not None:
-                self._land_plain_in_node(out, pieces, flights, block, compiled, link)
+            if plain:
+                self._land_plain_in_node(out, pieces, flights, block, compiled)
             else:
                 for (start, end), (piece_codes, piece_scales) in zip(pieces, _land(flights, levels), strict=True):
                     dequantize_rows_into(out[..., start:end], piece_codes, piece_scales, block, compiled=compiled)
@@ -172,21 +171,19 @@ class QuantizedAllGather(CommBuffers):
         land()
         return None
 
-    def _land_plain_in_node(self, out: Tensor, pieces: list, flights: list, block: int, compiled, link) -> None:
+    def _land_plain_in_node(self, out: Tensor, pieces: list, flights: list, block: int, compiled) -> None:
         # Each piece: decode this rank's rows (what crossed the nodes to it), then a ring all-gather inside the node
         # reads the peers' decoded rows out of their memory, while the next piece is decoded.
-        local, me = out.shape[0], dist.get_rank(self.intra_group)
+        me = dist.get_rank(self.intra_group)
         record_collective("all_gather_into_tensor", self.intra_group, out[me].numel() * out.element_size(),
                           out.numel() * out.element_size())  # fmt: skip
         rings = []
         for (start, end), flight in zip(pieces, flights, strict=True):
             piece_codes, piece_scales = flight.wait()
             dequantize_rows_into(out[me, :, start:end], piece_codes, piece_scales, block, compiled=compiled)
-            rows = out[..., start:end]
-            rings.append(link.ring(rows, local - 1, lambda s: (me - s) % local, lambda s: (me - s - 1) % local,
-                                   False, next_ring_tag()))  # fmt: skip
-        for ring in rings:
-            ring()
+            rings.append(ring(out[..., start:end], self.intra_group))
+        for finish in rings:
+            finish()
 
     def _two_level(self, group: dist.ProcessGroup) -> bool:
         """Whether `group` is the whole job in rank order (hpZ's backward gathers use a node group instead)."""
@@ -195,6 +192,11 @@ class QuantizedAllGather(CommBuffers):
         world = dist.get_world_size(group)
         nodes_x_local = dist.get_world_size(self.intra_group) * dist.get_world_size(self.inter_group)
         return world == nodes_x_local and dist.get_process_group_ranks(group) == list(range(world))
+
+
+def _reads_peers(t: Tensor, intra_group: dist.ProcessGroup) -> bool:
+    """Whether the node's level can move plain data: CPU tensors, and ranks that read each other's memory there."""
+    return t.device.type == "cpu" and ring_link(intra_group) is not None
 
 
 def _pieces(numel: int, block: int, piece_numel: int) -> list[tuple[int, int]]:
@@ -307,9 +309,8 @@ class QuantizedReduceScatter(AllReduceScatter):
         # A transposed view, not a copy: the quantizer reads it in place and writes codes in the order sent.
         by_local = chunks.view(nodes, local, numel).transpose(0, 1)
         pieces = _pieces(numel, block, self.piece_numel)
-        link = ring_link(self.intra_group) if chunks.device.type == "cpu" and self.plain_in_node else None
-        if link is not None:
-            return self._plain_in_node(by_local, pieces, block, compiled, link)
+        if self.plain_in_node and _reads_peers(chunks, self.intra_group):
+            return self._plain_in_node(by_local, pieces, block, compiled)
         # Every piece's hop 1 (inside the node, fast) goes out first; then, piece by piece, hop 1 is summed and
         # hop 2 (each node's partial sum to the same-local-index rank of that node, across the slow link) goes
         # out. Hop 2 is waited for and decoded only in `finish`, piece by piece while later pieces still travel.
@@ -321,21 +322,17 @@ class QuantizedReduceScatter(AllReduceScatter):
 
         return _landing(hop2, pieces, numel, chunks.device)
 
-    def _plain_in_node(self, by_local: Tensor, pieces: list, block: int, compiled: bool, link) -> Callable[[], Tensor]:
+    def _plain_in_node(self, by_local: Tensor, pieces: list, block: int, compiled: bool) -> Callable[[], Tensor]:
         # Hop 1 without INT4: the node's ranks can read each other's memory (`cma.ring_link`), so the in-node sum is
         # a ring reduce-scatter that reads each peer's rows straight out of its memory and adds them, exact in the
         # reduction's dtype: cheaper on a CPU than quantizing, and one rounding fewer. Hop 2 is unchanged.
-        local, me = by_local.shape[0], dist.get_rank(self.intra_group)
+        me = dist.get_rank(self.intra_group)
         record_collective("reduce_scatter_tensor", self.intra_group, by_local.numel() * by_local.element_size(),
                           by_local[me].numel() * by_local.element_size())  # fmt: skip
-        rings = [
-            link.ring(by_local[..., a:b], local - 1, lambda s: (me - s - 1) % local, lambda s: (me - s - 2) % local,
-                      True, next_ring_tag())
-            for a, b in pieces
-        ]  # fmt: skip
+        rings = [ring(by_local[..., a:b], self.intra_group, add=True) for a, b in pieces]
         hop2 = []
-        for (a, b), ring in zip(pieces, rings, strict=True):
-            ring()
+        for (a, b), finish in zip(pieces, rings, strict=True):
+            finish()
             hop2.append(_Exchange(by_local[me][:, a:b], block, self.inter_group, compiled))
 
         return _landing(hop2, pieces, by_local.shape[-1], by_local.device)
