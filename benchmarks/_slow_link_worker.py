@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_plugin.runtime.host_memory import host_memory_reuse_state, reuse_freed_host_memory
+from ds_plugin.runtime.host_memory import host_memory_reuse_state, reuse_freed_host_memory, thread_cache_on
 
 # Config name -> (ds_plugin preset, DeepSpeed keys merged over it): ds_plugin's configs.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -203,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "max_rss_mb": usage.ru_maxrss / 1024,  # Linux reports KiB
     }
     info["host_memory_reuse_rank0"] = host_memory_reuse_state()
+    info["glibc_thread_cache_on_rank0"] = thread_cache_on()
     if stats is not None:  # ds_plugin's ZeRO++: say whether its quantizers ran compiled or eager
         from ds_plugin.quant.comm.fused import compile_report
 

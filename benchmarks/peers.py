@@ -169,7 +169,7 @@ def _rank_run(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ds_plugin.runtime.host_memory import reuse_freed_host_memory
+    from ds_plugin.runtime.host_memory import reuse_freed_host_memory, thread_cache_on
 
     if reuse:  # every framework alike: ds_plugin's engine would turn it on by itself, the others would not
         reuse_freed_host_memory()
@@ -197,6 +197,7 @@ def _rank_run(
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params": params,
         "threads": torch.get_num_threads(),
+        "thread_cache_on": thread_cache_on(),
     }
 
 
@@ -215,6 +216,7 @@ def _one_run(
         "load_avg_1min": load,
         "params": per_rank[0]["params"],
         "threads": max(r["threads"] for r in per_rank),
+        "thread_cache_on": sorted({str(r["thread_cache_on"]) for r in per_rank}),
     }
 
 
@@ -339,6 +341,8 @@ def run(
             "cpus": os.cpu_count(),
             "oversubscribed": world_size * threads > (os.cpu_count() or 1),
             "host_memory_reuse": "on in every run" if host_memory_reuse else "off in every run",
+            # run_ranks starts every rank, whichever the framework, with glibc's per-thread malloc cache off.
+            "glibc_thread_cache_on": sorted({v for r in done for v in r["thread_cache_on"]}),
             "seq": SEQ,
             "micro_batch": MICRO_BATCH,
             "optimizer": f"torch.optim.AdamW(lr={LR})",

@@ -54,6 +54,7 @@ from typing import Any
 
 from benchmarks._slow_link_worker import CONFIGS, DEEPSPEED, floors, model_params, summarize
 from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, shown
+from ds_plugin.runtime.host_memory import rank_tunables
 
 __all__ = ["Link", "benchmark", "compare", "error_reason", "link_commands", "main", "parse_args", "stale_namespaces"]
 
@@ -271,6 +272,8 @@ def run_config(args: argparse.Namespace, link: Link, config: str, workdir: Path,
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": link.veths[node],
             "OMP_NUM_THREADS": "1",
+            # As ds-plugin launch starts CPU ranks, every config's alike: glibc's per-thread malloc cache off.
+            "GLIBC_TUNABLES": rank_tunables(os.environ.get("GLIBC_TUNABLES")),
             "DS_ACCELERATOR": "cpu",
             "PYTHONPATH": os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p),
         }

@@ -62,6 +62,17 @@ def _peer_reads_row() -> str:
     return f"yes ({why})" if ok else f"no ({why}; ring collectives send over gloo instead)"
 
 
+def _thread_cache_row() -> str:
+    from ds_plugin.runtime.host_memory import THREAD_CACHE_OFF, thread_cache_on
+
+    on = thread_cache_on()
+    if on is None:
+        return "not glibc 2.33+ (no per-thread cache to probe)"
+    if not on:
+        return "off in this process (less heap fragmentation on CPU ranks)"
+    return f"on in this process; CPU ranks fragment their heap less with GLIBC_TUNABLES={THREAD_CACHE_OFF}"
+
+
 def _probe_value(fn) -> str:
     """A measured value, or the one-line reason it could not be measured."""
     try:
@@ -97,6 +108,7 @@ def collect_env() -> dict[str, Any]:
         "nccl backend (GPU)": _probe(lambda: (dist.is_nccl_available() and cuda) or "needs CUDA and NCCL"),
         "FSDP2 fully_shard": _probe(lambda: importlib.import_module("torch.distributed.fsdp").fully_shard and True),
         "peer memory reads (CPU ranks of one host)": _probe_value(_peer_reads_row),
+        "glibc per-thread malloc cache": _probe_value(_thread_cache_row),
         "bf16 compute": _probe(lambda: (torch.ones(2, dtype=torch.bfloat16, device=device) * 2).sum() and True),
         "bf16 units (CPU)": _cpu_bf16_row(),
         "bf16/fp32 matmul time (CPU)": _probe_value(_slowdown),

@@ -17,6 +17,7 @@ handing back its result and shutting the group down (gloo ranks sometimes abort 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,16 +57,29 @@ def _context(start_method: str) -> Any:
     ctx = multiprocessing.get_context("forkserver")
     # The server starts once per process, on first use; later calls reuse it (and its preload list).
     ctx.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])
-    previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # read once, when torch loads its OpenMP runtime in the server
-    try:
+    # OMP_NUM_THREADS is read once, when torch loads its OpenMP runtime in the server.
+    with _start_environment(OMP_NUM_THREADS="1"):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        if previous is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = previous
     return ctx
+
+
+@contextlib.contextmanager
+def _start_environment(**overrides: str) -> Iterator[None]:
+    """Environment for starting rank processes (or their forkserver): `overrides`, and glibc's per-thread malloc
+    cache off (read only when a process starts; it fragments a CPU rank's heap, see `runtime.host_memory`)."""
+    from ds_plugin.runtime.host_memory import rank_tunables  # here: `ds_plugin.runtime` imports torch
+
+    overrides["GLIBC_TUNABLES"] = rank_tunables(os.environ.get("GLIBC_TUNABLES"))
+    previous = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _worker(
@@ -135,8 +149,9 @@ def run_ranks(
             )
             for rank in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        with _start_environment():  # a spawned rank is a new process; a forked one has the server's settings
+            for p in procs:
+                p.start()
         deadline = time.monotonic() + timeout
         results: dict[int, tuple[str, Any]] = {}
 

@@ -11,6 +11,8 @@ Nodes: `--hostfile` (DeepSpeed's format, `host slots=N` per line), narrowed by `
 (`host1:0,1@host2`) or `--num_nodes`, gives the node list; the same command runs on every node (DeepSpeed's
 `--no_ssh` mode: nothing is started over ssh), each finding its own `--node_rank` by host name unless given. On one
 node, `--include localhost:0,2` picks GPUs (`CUDA_VISIBLE_DEVICES`). Every mistake is one line before any rank starts.
+On a node without GPUs the ranks start with glibc's per-thread malloc cache off (`GLIBC_TUNABLES`), which fragments a
+CPU rank's heap (`ds_plugin.runtime.host_memory`); a `GLIBC_TUNABLES` that sets `glibc.malloc.tcache_count` stands.
 """
 
 from __future__ import annotations
@@ -110,13 +112,17 @@ def _pool(hosts: OrderedDict[str, int], include: str, exclude: str) -> OrderedDi
     return OrderedDict((h, s) for h, s in pool.items() if s)
 
 
-def _local_slots() -> int:
+def _cuda_devices() -> int:
     try:
         import torch
 
-        return torch.cuda.device_count() or 1
+        return torch.cuda.device_count()
     except ImportError:
-        return 1
+        return 0
+
+
+def _local_slots() -> int:
+    return _cuda_devices() or 1
 
 
 def launch_plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -186,6 +192,10 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     slots = pool[names[node_rank]]
     if args.include or args.exclude:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots[:per_node]))
+    if not _cuda_devices():
+        from ds_plugin.runtime.host_memory import rank_tunables
+
+        env["GLIBC_TUNABLES"] = rank_tunables(os.environ.get("GLIBC_TUNABLES"))
     return cmd, env
 
 

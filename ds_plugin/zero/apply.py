@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
-from ds_plugin.runtime.host_memory import release_freed_host_memory, reuse_freed_host_memory
+from ds_plugin.runtime.host_memory import release_freed_host_memory, reuse_freed_host_memory, warn_thread_cache
 from ds_plugin.zero.generation import held_gathered
 from ds_plugin.zero.gloo_comm import AllReduceScatter, InFlightReductions, RingAllGather
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
@@ -521,6 +521,7 @@ def apply_plan(
     _check_model(model, plan.stage)
     if plan.host_memory_reuse:
         reuse_freed_host_memory()
+        warn_thread_cache()
     elif plan.device_type == "cpu":  # the config's false: memory is the limit, freed blocks go back at once
         release_freed_host_memory()
     blocks = find_blocks(model, block_types) if plan.stage >= 2 or block_types is not None else []

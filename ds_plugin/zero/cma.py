@@ -143,6 +143,9 @@ class _Reader:
                 future.set_exception(exc)
             else:
                 future.set_result(None)
+            # Drop the finished step's closure now: held until the next task arrives, it would keep that ring's rows
+            # (a whole gathered unit) alive between steps.
+            del fn, future
 
 
 class RingLink:

@@ -189,21 +189,27 @@ def _launch_plan(*argv: str) -> tuple[list[str], dict[str, str]]:
     return launch_plan(parser.parse_args(list(argv)))
 
 
-def test_launcher_command_lines(tmp_path: Path):
+def test_launcher_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     script = tmp_path / "train.py"
     script.write_text("")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    # CPU ranks start with glibc's per-thread malloc cache off (it fragments their heap); GPU ranks as they were.
+    cpu = {} if torch.cuda.device_count() else {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
     cmd, env = _launch_plan("--num_gpus", "2", str(script), "--deepspeed", "--deepspeed_config", "c.json")
     assert cmd[cmd.index("torch.distributed.run") + 1 :] == [
         "--nnodes=1", "--nproc-per-node=2", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=29500",
         "-m", "ds_plugin.deepspeed._rank_entry", str(script), "--deepspeed", "--deepspeed_config", "c.json",
     ]  # fmt: skip
-    assert env == {}
+    assert env == cpu
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=3")  # the user's own setting stands
+    assert _launch_plan(str(script))[1] == ({} if cpu == {} else {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"})
+    monkeypatch.delenv("GLIBC_TUNABLES")
     hosts = tmp_path / "hostfile"
     hosts.write_text("# two nodes\nworker-1 slots=4\nworker-2 slots=4\n")
     cmd, env = _launch_plan("--hostfile", str(hosts), "--node_rank", "1", "--include", "worker-1:0,1@worker-2:2,3",
                             str(script))  # fmt: skip
     assert {"--nnodes=2", "--nproc-per-node=2", "--node-rank=1", "--master-addr=worker-1"} <= set(cmd)
-    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3", **cpu}
     cmd, _ = _launch_plan("--hostfile", str(hosts), "--num_nodes", "1", "--master_port", "1234", "--no_local_rank",
                           str(script))  # fmt: skip
     assert {"--nnodes=1", "--nproc-per-node=4", "--master-port=1234", "--no-local-rank"} <= set(cmd)

@@ -6,10 +6,13 @@ them all, each rank one case (they meet only in `apply_zero`'s collectives, whic
 count the page faults of a loop that allocates and frees a 64 MiB tensor, without and with reuse; rank 0 also
 measures the dead heap a fragmenting pattern leaves resident before `apply_zero` (glibc's defaults) and after it
 (the config's false: release); ranks 0, 2 and 3 report what `apply_zero` does with the config key off, absent and on.
+Every rank also probes glibc's per-thread malloc cache, which `run_ranks` starts ranks without.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import platform
 import resource
 
@@ -18,7 +21,15 @@ import torch
 from torch import nn
 
 from ds_plugin.launch import run_ranks
-from ds_plugin.runtime.host_memory import host_memory_reuse_state, release_freed_host_memory, reuse_freed_host_memory
+from ds_plugin.runtime import host_memory
+from ds_plugin.runtime.host_memory import (
+    THREAD_CACHE_OFF,
+    host_memory_reuse_state,
+    rank_tunables,
+    release_freed_host_memory,
+    reuse_freed_host_memory,
+    thread_cache_on,
+)
 from tests._memory import resident_bytes
 from tests.zero._tiny import zero_config
 
@@ -63,6 +74,7 @@ def _case(rank: int, world: int) -> dict:
 
     count, reuse = _CASES[rank]
     out = {"faults": _faults_per_round(reuse=count == "reused")} if count else {}  # before apply_zero can apply it
+    out["thread_cache_on"] = thread_cache_on()
     if rank == 0:
         out["dead_heap_mb_default"] = _dead_heap_mb()
     cfg = zero_config(3)
@@ -116,6 +128,36 @@ def test_false_hands_freed_blocks_back_to_the_kernel(cases: list[dict]):
     default, released = cases[0]["dead_heap_mb_default"], cases[0]["dead_heap_mb_released"]
     assert default > 150, default
     assert released < 20, released
+
+
+@glibc_only
+def test_ranks_start_without_the_per_thread_cache(cases: list[dict]):
+    assert [c["thread_cache_on"] for c in cases] == [False] * len(_CASES)
+    # The probe tells the two apart: this test process started as the user started it.
+    if THREAD_CACHE_OFF not in os.environ.get("GLIBC_TUNABLES", "") and thread_cache_on() is not None:
+        assert thread_cache_on() is True
+
+
+def test_rank_tunables_keep_the_users_settings():
+    assert rank_tunables(None) == rank_tunables("") == "glibc.malloc.tcache_count=0"
+    assert rank_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+    assert rank_tunables("glibc.malloc.tcache_count=7") == "glibc.malloc.tcache_count=7"
+
+
+def test_thread_cache_note_is_one_line_once(monkeypatch, caplog):
+    monkeypatch.setitem(host_memory._STATE, "applied", True)
+    monkeypatch.setitem(host_memory._STATE, "thread_cache_noted", False)
+    monkeypatch.setattr(host_memory, "thread_cache_on", lambda: True)
+    with caplog.at_level(logging.INFO, logger=host_memory.__name__):
+        host_memory.warn_thread_cache()
+        host_memory.warn_thread_cache()
+    notes = [r.getMessage() for r in caplog.records if "per-thread" in r.getMessage()]
+    assert len(notes) == 1 and f"GLIBC_TUNABLES={THREAD_CACHE_OFF}" in notes[0] and "\n" not in notes[0], notes
+    caplog.clear()
+    monkeypatch.setitem(host_memory._STATE, "thread_cache_noted", False)
+    monkeypatch.setattr(host_memory, "thread_cache_on", lambda: False)
+    host_memory.warn_thread_cache()
+    assert not [r for r in caplog.records if "per-thread" in r.getMessage()]
 
 
 @pytest.mark.parametrize(("system", "libc", "says"), [("Darwin", ("", ""), "Darwin"), ("Linux", ("musl", ""), "musl")])
