@@ -23,7 +23,7 @@ freed, so the resident memory is what is live.
 With reuse on, glibc's per-thread cache (tcache) fragments the heap: it keeps recently freed small chunks (up to 7
 per size class) marked as in use, scattered between the large blocks, so a freed large block cannot merge with its
 neighbours and the next large request grows the heap instead. On a 16M GPT-2 ZeRO-3 step whose loss temporaries are
-98 MiB each, ranks peaked 0.22-0.44 GB above what was live; with the cache off, 0.07 GB (step time within 2-4%).
+98 MiB each, ranks peaked 0.22-0.44 GB above what was live; with the cache off, 0.07 GB (step time within the noise).
 The cache can only be turned off when a process starts (the ``GLIBC_TUNABLES`` environment variable), so it is the
 launchers' job: :func:`rank_tunables` gives the value for CPU ranks (``ds-plugin launch`` and
 ``ds_plugin.launch.run_ranks`` set it) and :func:`thread_cache_on` tells a running process whether it got it.
