@@ -58,6 +58,7 @@ _RELEASE_TRIM_THRESHOLD = 8 << 20
 _INT_MAX = 2**31 - 1
 
 _STATE: dict[str, object] = {"applied": False, "released": False, "reason": "not requested"}
+_NOTED: set[str] = set()  # warn_thread_cache has spoken in this process
 
 # The GLIBC_TUNABLES entry that turns glibc's per-thread malloc cache off (glibc 2.26 and later; ignored elsewhere).
 THREAD_CACHE_OFF = "glibc.malloc.tcache_count=0"
@@ -118,12 +119,19 @@ def host_memory_reuse_state() -> dict[str, object]:
     return dict(_STATE)
 
 
-def _mallopt(settings: tuple[tuple[int, int, str], ...]) -> str | None:
+def _not_glibc() -> str | None:
+    """Why this process's malloc is not glibc's (one line), or None when it is."""
     if platform.system() != "Linux":
         return f"needs glibc on Linux, this is {platform.system()}"
     libc_name, _ = platform.libc_ver()
     if libc_name != "glibc":
         return f"needs glibc, this process uses {libc_name or 'an unknown C library'}"
+    return None
+
+
+def _mallopt(settings: tuple[tuple[int, int, str], ...]) -> str | None:
+    if reason := _not_glibc():
+        return reason
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError) as exc:
@@ -154,7 +162,7 @@ def thread_cache_on() -> bool | None:
     Probes instead of reading the environment: frees a few small chunks and asks ``mallinfo2`` whether they went to
     the heap's fastbins (cache off) or stayed marked in use (held by the cache).
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if _not_glibc():
         return None
     libc = ctypes.CDLL(None)
     try:
@@ -182,9 +190,9 @@ def thread_cache_on() -> bool | None:
 
 def warn_thread_cache() -> None:
     """Log once, at info level, when this process reuses host memory with glibc's per-thread cache on."""
-    if _STATE.get("thread_cache_noted") or not _STATE["applied"]:
+    if _NOTED or not _STATE["applied"]:
         return
-    _STATE["thread_cache_noted"] = True
+    _NOTED.add("thread cache")
     if thread_cache_on():
         logger.info(
             "host memory reuse with glibc's per-thread malloc cache on fragments the heap (0.2-0.4 GB more peak RSS "

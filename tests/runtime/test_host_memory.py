@@ -146,7 +146,7 @@ def test_rank_tunables_keep_the_users_settings():
 
 def test_thread_cache_note_is_one_line_once(monkeypatch, caplog):
     monkeypatch.setitem(host_memory._STATE, "applied", True)
-    monkeypatch.setitem(host_memory._STATE, "thread_cache_noted", False)
+    monkeypatch.setattr(host_memory, "_NOTED", set())
     monkeypatch.setattr(host_memory, "thread_cache_on", lambda: True)
     with caplog.at_level(logging.INFO, logger=host_memory.__name__):
         host_memory.warn_thread_cache()
@@ -154,7 +154,7 @@ def test_thread_cache_note_is_one_line_once(monkeypatch, caplog):
     notes = [r.getMessage() for r in caplog.records if "per-thread" in r.getMessage()]
     assert len(notes) == 1 and f"GLIBC_TUNABLES={THREAD_CACHE_OFF}" in notes[0] and "\n" not in notes[0], notes
     caplog.clear()
-    monkeypatch.setitem(host_memory._STATE, "thread_cache_noted", False)
+    monkeypatch.setattr(host_memory, "_NOTED", set())
     monkeypatch.setattr(host_memory, "thread_cache_on", lambda: False)
     host_memory.warn_thread_cache()
     assert not [r for r in caplog.records if "per-thread" in r.getMessage()]
