@@ -346,6 +346,11 @@ class TrainingConfig:
         doc="ds_plugin: training on CPU, glibc malloc keeps freed memory for reuse instead of re-faulting it each "
         "step; false: it unmaps freed blocks of 1 MiB and up at once (resident memory is what is live)",
     )
+    chunked_loss: bool = option(
+        True,
+        doc="ds_plugin: a Hugging Face causal LM's cross-entropy runs in row chunks from the logits' own dtype, "
+        "so no fp32 copies of the whole logits are made (same loss to float rounding); false keeps transformers' own",
+    )
     non_finite_gradients: Literal["error", "skip"] = option(
         "error",
         doc="ds_plugin: an inf/nan gradient without fp16 loss scaling stops training (error) or skips the step",

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from ds_plugin.kernels.cross_entropy import use_chunked_loss
 from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
@@ -524,6 +525,8 @@ def apply_plan(
         warn_thread_cache()
     elif plan.device_type == "cpu":  # the config's false: memory is the limit, freed blocks go back at once
         release_freed_host_memory()
+    if plan.chunked_loss:
+        use_chunked_loss(model)
     blocks = find_blocks(model, block_types) if plan.stage >= 2 or block_types is not None else []
     # A meta-device model has nothing to send: `materialize_` initialises it the same on every rank.
     if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):

@@ -119,6 +119,8 @@ class ZeroPlan:
     """The collective logger to switch on at setup; None = off."""
     host_memory_reuse: bool
     """CPU runs: make glibc keep freed memory mapped (see `host_memory.py`)."""
+    chunked_loss: bool
+    """Hugging Face causal LMs compute their loss with `kernels.cross_entropy.causal_lm_loss`."""
     non_finite_gradients: str
     """Without a loss scaler (bf16/fp32): "error" stops at a non-finite gradient, "skip" skips that step."""
     optimizer: OptimizerConfig | None = None
@@ -395,6 +397,7 @@ def resolve_plan(
         loss_scaling=config.fp16 if config.compute_dtype == "fp16" else None,
         comms_logger=config.comms_logger if config.comms_logger.enabled else None,
         host_memory_reuse=config.host_memory_reuse and device_type == "cpu",
+        chunked_loss=config.chunked_loss,
         non_finite_gradients=config.non_finite_gradients,
         optimizer=optimizer,
         scheduler=scheduler,

@@ -13,6 +13,7 @@ from _dist import run_ranks
 from _tiny import full_params, gpt2, llama, zero_config
 from torch import nn
 
+from ds_plugin.kernels.cross_entropy import causal_lm_loss
 from ds_plugin.zero.apply import apply_zero
 from ds_plugin.zero.init import materialize_, meta_init
 from ds_plugin.zero.mesh import ZeroSetupError
@@ -208,6 +209,7 @@ def _sharded_after_forward(rank: int, world: int) -> dict:
         model = build()
         apply_zero(model, zero_config(stage))
         inner = getattr(model, "inner", model)
+        out["chunked_loss", name] = inner.loss_function is causal_lm_loss
         embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
         loss = model(input_ids=x, labels=x).loss
         between = {
@@ -222,6 +224,9 @@ def _sharded_after_forward(rank: int, world: int) -> dict:
             "units": sum(isinstance(m, FSDPModule) for m in (embedding, head)),
             "grads": all(p.grad is not None for p in model.parameters()),
         }
+    stock = llama()
+    apply_zero(stock, {**zero_config(1), "chunked_loss": False})
+    out["chunked_loss", "off"] = stock.loss_function is causal_lm_loss
     return out
 
 
@@ -251,3 +256,11 @@ def test_untied_embedding_and_head_are_units_of_their_own_at_stage3(four_ranks):
         assert res["llama2"]["between"] == {"embedding": False, "head": False, "norm": False}, res
         assert res["llama2"]["units"] == 0, res
         assert all(res[k]["grads"] for k in ("llama3", "gpt2_3", "llama2", "wrapped3")), res
+
+
+def test_causal_lm_loss_is_chunked_unless_the_config_says_no(four_ranks):
+    # apply_zero swaps transformers' causal-LM loss for the chunked one at every stage, inside a wrapper too;
+    # `chunked_loss: false` keeps transformers' own.
+    for res in (r["sharded"] for r in four_ranks):
+        assert all(res["chunked_loss", name] for name in ("llama3", "gpt2_3", "llama2", "wrapped3")), res
+        assert res["chunked_loss", "off"] is False, res
