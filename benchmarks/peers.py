@@ -134,7 +134,7 @@ def _torch_step(model: torch.nn.Module, *, autocast: bool) -> Callable[[torch.Te
 
 
 def _ds_plugin_step(
-    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool
+    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool, chunked_loss: bool
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     import ds_plugin
 
@@ -143,18 +143,21 @@ def _ds_plugin_step(
         "bf16": {"enabled": bf16},
         "gradient_clipping": 0.0,
         "host_memory_reuse": reuse,
+        "chunked_loss": chunked_loss,
     }
     return engine_step(ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR)))
 
 
-def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: int, reuse: bool):
+def _make_step(
+    name: str, dtype: str, model: torch.nn.Module, rank: int, world: int, reuse: bool, chunked_loss: bool = True
+):
     bf16 = dtype == "bf16"
     if name == "ddp":
         return _ddp_step(model, bf16)
     if name == "fsdp2":
         return _fsdp2_step(model, bf16)
     if name.startswith("ds_plugin_zero"):
-        return _ds_plugin_step(model, int(name[-1]), bf16, reuse)
+        return _ds_plugin_step(model, int(name[-1]), bf16, reuse, chunked_loss)
     if name.startswith("deepspeed_zero"):
         from benchmarks._deepspeed_peer import make_deepspeed_step
 
@@ -165,7 +168,16 @@ def _make_step(name: str, dtype: str, model: torch.nn.Module, rank: int, world: 
 
 
 def _rank_run(
-    rank: int, world: int, *, name: str, dtype: str, warmup: int, steps: int, reuse: bool, size: str = "16m"
+    rank: int,
+    world: int,
+    *,
+    name: str,
+    dtype: str,
+    warmup: int,
+    steps: int,
+    reuse: bool,
+    size: str = "16m",
+    chunked_loss: bool = True,
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -180,7 +192,7 @@ def _rank_run(
     model = _model(size)
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())  # before any wrapper shards or flattens them
-    step = _make_step(name, dtype, model, rank, world, reuse)
+    step = _make_step(name, dtype, model, rank, world, reuse, chunked_loss)
     times, cpu, loss = [], [], None
     for i in range(warmup + steps):
         x = _batch(i, rank, vocab)
@@ -202,11 +214,20 @@ def _rank_run(
 
 
 def _one_run(
-    name: str, dtype: str, warmup: int, steps: int, timeout: float, reuse: bool, size: str, world: int
+    name: str,
+    dtype: str,
+    warmup: int,
+    steps: int,
+    timeout: float,
+    reuse: bool,
+    size: str,
+    world: int,
+    chunked_loss: bool = True,
 ) -> dict[str, Any]:
     env = deepspeed_env() if name.startswith("deepspeed") else {}
     load = os.getloadavg()[0]
     kwargs = {"name": name, "dtype": dtype, "warmup": warmup, "steps": steps, "reuse": reuse, "size": size}
+    kwargs["chunked_loss"] = chunked_loss
     per_rank = run_ranks(_rank_run, world, timeout=timeout, env=env, **kwargs)
     return {
         "step_times": [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)],
@@ -284,6 +305,7 @@ def run(
     host_memory_reuse: bool = True,
     size: str = "16m",
     world_size: int = WORLD,
+    chunked_loss: bool = True,
 ) -> dict[str, Any]:
     """Run every (config, dtype) `repeats` times in alternating order and return the report dict.
 
@@ -298,6 +320,8 @@ def run(
             (ds_plugin's engine does it by itself on CPU; see `ds_plugin.runtime.host_memory`).
         size: model size, a key of SIZES.
         world_size: gloo ranks per run, one thread each.
+        chunked_loss: ds_plugin's runs compute the loss with the engine's chunked cross-entropy (its config's
+            `chunked_loss`, on by default); DDP, FSDP2 and DeepSpeed compute transformers' own either way.
     """
     ds_version, ds_missing = deepspeed_version()
     combos = [(n, d) for n in names for d in dtypes]
@@ -314,7 +338,9 @@ def run(
                 skipped[combo] = why
                 continue
             try:
-                results[combo].append(_one_run(*combo, warmup, steps, timeout, host_memory_reuse, size, world_size))
+                results[combo].append(
+                    _one_run(*combo, warmup, steps, timeout, host_memory_reuse, size, world_size, chunked_loss)
+                )
             except RuntimeError as exc:  # one peer failing must not lose the others' numbers
                 errors[combo] = str(exc).strip().splitlines()[-1][:500]
     runs = []
@@ -341,6 +367,9 @@ def run(
             "cpus": os.cpu_count(),
             "oversubscribed": world_size * threads > (os.cpu_count() or 1),
             "host_memory_reuse": "on in every run" if host_memory_reuse else "off in every run",
+            "ds_plugin_chunked_loss": "on (the engine's default; the others compute transformers' loss)"
+            if chunked_loss
+            else "off (transformers' loss in every run)",
             # run_ranks starts every rank, whichever the framework, with glibc's per-thread malloc cache off.
             "glibc_thread_cache_on": sorted({v for r in done for v in r["thread_cache_on"]}),
             "seq": SEQ,
@@ -516,6 +545,13 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="glibc malloc keeps freed memory in every run, whichever the framework (on; see README)",
     )
+    parser.add_argument(
+        "--chunked-loss",
+        choices=("on", "off"),
+        default="on",
+        help="ds_plugin's runs compute the loss in row chunks, the engine's default (on); off: transformers' own "
+        "loss, as DDP, FSDP2 and DeepSpeed compute it",
+    )
     args = parser.parse_args(argv)
     if args.dtypes is None:
         from ds_plugin.runtime.cpu_bf16 import fast_compute_dtype
@@ -559,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                 host_memory_reuse=args.host_memory_reuse == "on",
                 size=p["size"],
                 world_size=p["world_size"],
+                chunked_loss=args.chunked_loss == "on",
             )
         )
     report = reports[0] if len(reports) == 1 else _combined(reports, args.repeats)
