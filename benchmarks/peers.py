@@ -6,7 +6,9 @@ torch.optim.AdamW, on 2 gloo ranks of one thread each, in bf16 and in fp32:
 - ddp: DistributedDataParallel; bf16 = autocast over fp32 weights (gradients reduced in fp32).
 - fsdp2: fully_shard per block, then the root, FSDP2's defaults (root kept unsharded after forward);
   bf16 = MixedPrecisionPolicy(param_dtype=bf16), which also reduces in bf16.
-- ds_plugin_zero1/2/3: `ds_plugin.initialize` with `"bf16": {"enabled": ...}` (bf16 compute and reduce).
+- ds_plugin_zero1/2/3: `ds_plugin.initialize` with `"bf16": {"enabled": ...}` (bf16 compute and reduce); the
+  loss through the engine's chunked cross-entropy, its default (`--chunked-loss off`: transformers' own, as the
+  others compute it).
 - deepspeed_zero1/2/3: DeepSpeed's engine with the same JSON keys, when `deepspeed` is importable.
 
 Each (config, dtype) runs in fresh processes, so peak RSS (`getrusage` maxrss, max over ranks) is its own.
@@ -15,7 +17,10 @@ the slowest rank's); repetitions go in alternating order so background load on a
 every config alike. Reported: the median step time over all timed steps of all repetitions, each
 repetition's median, the peak RSS, and the loss of the last step averaged over ranks. `comparisons` holds each
 speed and memory target (TARGETS) whose two sides both ran, per dtype, e.g. `zero3_vs_deepspeed_zero3_step_bf16`:
-{"ratio", "at_most", "met"}; and `fp32_final_loss`, every config's fp32 loss next to DDP's.
+{"ratio", "at_most", "met"}; and `fp32_final_loss`, every config's fp32 loss next to DDP's. `compute_floor`: per
+dtype, the median time of one micro-batch's forward and backward in one process alone (no communication, no
+optimizer step, ds_plugin's loss as `--chunked-loss` says): the part of every config's step that no framework can
+save, so a target below it cannot be met on that machine.
 
 Scaling (`--sizes 16m 124m 350m --world-sizes 1 2 4`): the same comparison for each model size (see
 `benchmarks._peers_scaling` for the shapes and the per-size default warmup/steps) on each number of ranks. All
@@ -241,6 +246,44 @@ def _one_run(
     }
 
 
+def _floor_rank(rank: int, world: int, *, dtype: str, warmup: int, steps: int, size: str, chunked_loss: bool) -> float:
+    from ds_plugin.kernels.cross_entropy import use_chunked_loss
+    from ds_plugin.runtime.host_memory import reuse_freed_host_memory
+
+    reuse_freed_host_memory()
+    model = _model(size)
+    if dtype == "bf16":
+        model.to(torch.bfloat16)  # the weights ds_plugin's bf16 runs compute with
+    if chunked_loss:
+        use_chunked_loss(model)
+    times = []
+    for i in range(warmup + steps):
+        x = _batch(i, rank, model.config.vocab_size)
+        start = time.perf_counter()
+        model(x, labels=x).loss.backward()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[warmup:])
+
+
+def _compute_floor(
+    dtypes: list[str], warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool
+) -> dict[str, Any]:
+    """Forward + backward of one rank's micro-batch in one process alone: what no framework's step can beat here."""
+    floor: dict[str, Any] = {
+        "what": "median s of forward+backward of one micro-batch in one process alone (one thread, host memory "
+        "reuse, no communication, no optimizer step; bf16: bf16 weights), "
+        + ("the chunked loss" if chunked_loss else "transformers' loss")
+    }
+    for dtype in dtypes:
+        kwargs = {"dtype": dtype, "warmup": warmup, "steps": steps, "size": size, "chunked_loss": chunked_loss}
+        try:
+            floor[dtype] = round(run_ranks(_floor_rank, 1, timeout=timeout, **kwargs)[0], 4)
+        except RuntimeError as exc:
+            floor[dtype] = "error: " + str(exc).strip().splitlines()[-1][:300]
+    return floor
+
+
 def _summary(name: str, dtype: str, reps: list[dict[str, Any]]) -> dict[str, Any]:
     pooled = [t for r in reps for t in r["step_times"]]
     losses = [r["final_loss"] for r in reps]
@@ -352,12 +395,15 @@ def run(
         else:
             runs.append(_summary(*combo, results[combo]))
     done = [r for rs in results.values() for r in rs]
+    ran = [d for d in dtypes if any(results[c] for c in combos if c[1] == d)]  # so the floor's process fits too
+    floor = _compute_floor(ran, warmup, steps, timeout, size, chunked_loss)
     params = done[0]["params"] if done else params  # counted on a rank's model; else the same model on meta
     threads = max((r["threads"] for r in done), default=1)  # run_ranks gives every rank one thread
     shape = ", ".join(f"{k}={v}" for k, v in SIZES[size].items())
     report = {
         "runs": runs,
         "comparisons": _comparisons(runs),
+        "compute_floor": floor,
         "setup": {
             "model": f"GPT2({shape}, vocab 50257, dropout 0), {params / 1e6:.1f}M params",
             "size": size,
@@ -457,6 +503,12 @@ def _table(report: dict[str, Any]) -> str:
     for name, c in report["comparisons"].items():
         if "ratio" in c:
             lines.append(f"{name}: {c['ratio']:.3f}x (at most {c['at_most']}x: {'met' if c['met'] else 'MISSED'})")
+    floor = report.get("compute_floor", {})
+    if any(d in floor for d in DTYPES):
+        found = ", ".join(
+            f"{d} {floor[d]:.3f} s" if isinstance(floor[d], float) else f"{d} {floor[d]}" for d in DTYPES if d in floor
+        )
+        lines.append(f"compute floor (one process alone, forward+backward only): {found}")
     losses = report["comparisons"].get("fp32_final_loss")
     if losses:
         agree = "agree" if losses["agree_to_5_decimals"] else "DIFFER"

@@ -48,6 +48,8 @@ def test_tiny_scaling_run(tmp_path, capsys):
         step = {run["name"]: run["median_step_s"] for run in r["runs"]}
         vs_ddp = r["comparisons"]["zero3_vs_ddp_step_fp32"]
         assert vs_ddp["ratio"] == round(step["ds_plugin_zero3"] / step["ddp"], 3) and vs_ddp["at_most"] == 1.05
+        floor = r["compute_floor"]  # one process's forward+backward: below the step of every config that ran
+        assert floor["what"].endswith("the chunked loss") and 0 < floor["fp32"] < min(step.values()), floor
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
