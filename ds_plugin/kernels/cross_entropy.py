@@ -19,7 +19,6 @@ causal-LM one; the ZeRO engine does that unless the config's `chunked_loss` is f
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -28,8 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ChunkedCrossEntropy", "causal_lm_loss", "chunk_rows", "use_chunked_loss"]
-
-logger = logging.getLogger(__name__)
 
 #: fp32 bytes of one chunk: a few rows that stay in a CPU core's cache, or enough rows on an accelerator that
 #: the kernels launched per chunk do not dominate.
@@ -156,9 +153,4 @@ def use_chunked_loss(model: nn.Module) -> int:
         if current is stock:
             module.loss_function = causal_lm_loss
             switched += 1
-    if switched:
-        logger.info(
-            "causal-LM loss computed in row chunks (no fp32 copies of the logits; chunked_loss: false keeps "
-            "transformers' own)"
-        )
     return switched

@@ -525,8 +525,7 @@ def apply_plan(
         warn_thread_cache()
     elif plan.device_type == "cpu":  # the config's false: memory is the limit, freed blocks go back at once
         release_freed_host_memory()
-    if plan.chunked_loss:
-        use_chunked_loss(model)
+    chunked = use_chunked_loss(model) if plan.chunked_loss else 0
     blocks = find_blocks(model, block_types) if plan.stage >= 2 or block_types is not None else []
     # A meta-device model has nothing to send: `materialize_` initialises it the same on every rank.
     if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):
@@ -550,11 +549,12 @@ def apply_plan(
         _replicate(model, plan, mesh)
     if mesh.get_local_rank() == 0:
         logger.info(
-            "ZeRO stage %d on %d ranks: %d blocks, compute %s, reduce %s",
+            "ZeRO stage %d on %d ranks: %d blocks, compute %s, reduce %s%s",
             plan.stage,
             mesh.size(),
             len(blocks),
             plan.compute_dtype,
             plan.reduce_dtype,
+            ", causal-LM loss in row chunks (chunked_loss)" if chunked else "",
         )
     return model
