@@ -1,7 +1,8 @@
 """The chunked causal-LM loss against transformers' own: same loss and gradients, no fp32 copy of the logits.
 
 Single process; chunks are made a few rows small so every case crosses chunk boundaries, with a last chunk shorter
-than the rest. The engine's swap (config `chunked_loss`) is checked in tests/zero/test_model_setup.py, training
+than the rest; on a CUDA GPU (the gpu tier) the same comparison at the accelerator's chunk size, with its peak
+memory. The engine's swap (config `chunked_loss`) is checked in tests/zero/test_model_setup.py, training
 parity with DDP's stock loss in tests/zero/test_engine_parity.py.
 """
 
@@ -118,3 +119,29 @@ def test_use_chunked_loss_switches_stock_causal_lms_only():
     mine.transformer.loss_function = custom
     assert use_chunked_loss(mine) == 0 and mine.loss_function is custom
     assert use_chunked_loss(torch.nn.Linear(2, 2)) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_same_numbers_and_less_peak_memory(monkeypatch):
+    # Several chunks at the accelerator's budget: 4,096 tokens of a 32,000-word vocabulary, bf16 logits (250 MiB).
+    monkeypatch.setattr(cross_entropy, "_ACCELERATOR_CHUNK_BYTES", 64 << 20)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(1, 4096, 32_000, generator=g, device="cuda") * 4).bfloat16()
+    labels = torch.randint(0, 32_000, (1, 4096), generator=g, device="cuda")
+    labels[0, :100] = -100
+    peaks, results = [], []
+    for fn in (ForCausalLMLoss, causal_lm_loss):
+        x = logits.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = fn(x, labels, 32_000)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((loss.detach(), x.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=1e-2, atol=1e-7)
+    fp32_logits = logits.numel() * 4
+    assert peaks[1] < peaks[0] - 2 * fp32_logits, [p / 2**20 for p in peaks]
