@@ -145,3 +145,14 @@ def test_on_cuda_same_numbers_and_less_peak_memory(monkeypatch):
     torch.testing.assert_close(results[1][1].float(), results[0][1].float(), rtol=1e-2, atol=1e-7)
     fp32_logits = logits.numel() * 4
     assert peaks[1] < peaks[0] - 2 * fp32_logits, [p / 2**20 for p in peaks]
+
+
+def test_torch_compile_leaves_the_chunk_loop_out_of_the_graph(small_chunks):
+    # Traced, the loop would be unrolled once per chunk (minutes of compiling at a few thousand tokens).
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    logits, labels = _logits(torch.float32), _labels()
+    compiled = torch.compile(lambda x, y: causal_lm_loss(x, y, VOCAB) * 2, backend=counter, fullgraph=False)
+    torch.testing.assert_close(compiled(logits, labels), causal_lm_loss(logits, labels, VOCAB) * 2)
+    assert counter.op_count <= 2, counter.op_count  # the `* 2` after the graph break; no log_softmax per chunk
