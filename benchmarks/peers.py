@@ -40,20 +40,18 @@ on the built model), world_size, name (config), dtype, median_step_s (as in `run
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
-import time
-from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from benchmarks._deepspeed_peer import deepspeed_env, deepspeed_version, engine_step
+from benchmarks._deepspeed_peer import deepspeed_env, deepspeed_version
+from benchmarks._peers_ranks import LR, MICRO_BATCH, NAMES, SEQ, floor_rank, rank_run
 from benchmarks._peers_scaling import (
     DEFAULT_STEPS,
     SIZES,
@@ -70,152 +68,8 @@ from ds_plugin.launch import run_ranks
 
 __all__ = ["NAMES", "main", "run"]
 
-NAMES = (
-    "ddp",
-    "fsdp2",
-    "ds_plugin_zero1",
-    "ds_plugin_zero2",
-    "ds_plugin_zero3",
-    "deepspeed_zero1",
-    "deepspeed_zero2",
-    "deepspeed_zero3",
-)
 DTYPES = ("bf16", "fp32")
 WORLD = 2
-SEQ = 128
-MICRO_BATCH = 4
-LR = 1e-3
-MODEL = SIZES["16m"]
-
-
-def _model(size: str = "16m") -> torch.nn.Module:
-    import warnings
-
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    warnings.simplefilter("ignore")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    # Dropout off: every framework then computes the same function, so fp32 losses can be compared.
-    return GPT2LMHeadModel(GPT2Config(**SIZES[size], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-
-
-def _batch(step: int, rank: int, vocab: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10_000 * step + rank)
-    return torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=gen)
-
-
-def _ddp_step(model: torch.nn.Module, bf16: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel(model)
-    # DDP has no mixed-precision policy: bf16 runs under autocast.
-    return _torch_step(ddp, autocast=bf16)
-
-
-def _fsdp2_step(model: torch.nn.Module, bf16: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return _torch_step(model, autocast=False)
-
-
-def _torch_step(model: torch.nn.Module, *, autocast: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
-            loss = model(x, labels=x).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step
-
-
-def _ds_plugin_step(
-    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool, chunked_loss: bool
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    import ds_plugin
-
-    config = {
-        "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": bf16},
-        "gradient_clipping": 0.0,
-        "host_memory_reuse": reuse,
-        "chunked_loss": chunked_loss,
-    }
-    return engine_step(ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR)))
-
-
-def _make_step(
-    name: str, dtype: str, model: torch.nn.Module, rank: int, world: int, reuse: bool, chunked_loss: bool = True
-):
-    bf16 = dtype == "bf16"
-    if name == "ddp":
-        return _ddp_step(model, bf16)
-    if name == "fsdp2":
-        return _fsdp2_step(model, bf16)
-    if name.startswith("ds_plugin_zero"):
-        return _ds_plugin_step(model, int(name[-1]), bf16, reuse, chunked_loss)
-    if name.startswith("deepspeed_zero"):
-        from benchmarks._deepspeed_peer import make_deepspeed_step
-
-        return make_deepspeed_step(
-            model, stage=int(name[-1]), bf16=bf16, micro_batch=MICRO_BATCH, lr=LR, rank=rank, world=world
-        )
-    raise ValueError(f"unknown config {name!r}; one of {', '.join(NAMES)}")
-
-
-def _rank_run(
-    rank: int,
-    world: int,
-    *,
-    name: str,
-    dtype: str,
-    warmup: int,
-    steps: int,
-    reuse: bool,
-    size: str = "16m",
-    chunked_loss: bool = True,
-) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from ds_plugin.runtime.host_memory import reuse_freed_host_memory, thread_cache_on
-
-    if reuse:  # every framework alike: ds_plugin's engine would turn it on by itself, the others would not
-        reuse_freed_host_memory()
-    # Ranks share the parent's stdout, which carries the JSON report: send what they print (DeepSpeed's op
-    # loader, for one) to stderr.
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    model = _model(size)
-    vocab = model.config.vocab_size
-    params = sum(p.numel() for p in model.parameters())  # before any wrapper shards or flattens them
-    step = _make_step(name, dtype, model, rank, world, reuse, chunked_loss)
-    times, cpu, loss = [], [], None
-    for i in range(warmup + steps):
-        x = _batch(i, rank, vocab)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        loss = step(x)
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    final = loss.detach().float().reshape(1).clone()
-    dist.all_reduce(final)
-    return {
-        "times": times[warmup:],
-        "cpu_times": cpu[warmup:],
-        "final_loss": float(final) / world,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "params": params,
-        "threads": torch.get_num_threads(),
-        "thread_cache_on": thread_cache_on(),
-    }
 
 
 def _one_run(
@@ -233,7 +87,7 @@ def _one_run(
     load = os.getloadavg()[0]
     kwargs = {"name": name, "dtype": dtype, "warmup": warmup, "steps": steps, "reuse": reuse, "size": size}
     kwargs["chunked_loss"] = chunked_loss
-    per_rank = run_ranks(_rank_run, world, timeout=timeout, env=env, **kwargs)
+    per_rank = run_ranks(rank_run, world, timeout=timeout, env=env, **kwargs)
     return {
         "step_times": [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)],
         "cpu_times": [max(ts) for ts in zip(*(r["cpu_times"] for r in per_rank), strict=True)],
@@ -246,24 +100,14 @@ def _one_run(
     }
 
 
-def _floor_rank(rank: int, world: int, *, dtype: str, warmup: int, steps: int, size: str, chunked_loss: bool) -> float:
-    from ds_plugin.kernels.cross_entropy import use_chunked_loss
-    from ds_plugin.runtime.host_memory import reuse_freed_host_memory
-
-    reuse_freed_host_memory()
-    model = _model(size)
-    if dtype == "bf16":
-        model.to(torch.bfloat16)  # the weights ds_plugin's bf16 runs compute with
-    if chunked_loss:
-        use_chunked_loss(model)
-    times = []
-    for i in range(warmup + steps):
-        x = _batch(i, rank, model.config.vocab_size)
-        start = time.perf_counter()
-        model(x, labels=x).loss.backward()
-        times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times[warmup:])
+@functools.cache
+def _floor_seconds(dtype: str, warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool) -> float | str:
+    # Cached: the floor does not depend on the world size, so a --world-sizes plan measures it once per size.
+    kwargs = {"dtype": dtype, "warmup": warmup, "steps": steps, "size": size, "chunked_loss": chunked_loss}
+    try:
+        return round(run_ranks(floor_rank, 1, timeout=timeout, **kwargs)[0], 4)
+    except RuntimeError as exc:
+        return "error: " + str(exc).strip().splitlines()[-1][:300]
 
 
 def _compute_floor(
@@ -276,11 +120,7 @@ def _compute_floor(
         + ("the chunked loss" if chunked_loss else "transformers' loss")
     }
     for dtype in dtypes:
-        kwargs = {"dtype": dtype, "warmup": warmup, "steps": steps, "size": size, "chunked_loss": chunked_loss}
-        try:
-            floor[dtype] = round(run_ranks(_floor_rank, 1, timeout=timeout, **kwargs)[0], 4)
-        except RuntimeError as exc:
-            floor[dtype] = "error: " + str(exc).strip().splitlines()[-1][:300]
+        floor[dtype] = _floor_seconds(dtype, warmup, steps, timeout, size, chunked_loss)
     return floor
 
 

@@ -50,6 +50,8 @@ def test_tiny_scaling_run(tmp_path, capsys):
         assert vs_ddp["ratio"] == round(step["ds_plugin_zero3"] / step["ddp"], 3) and vs_ddp["at_most"] == 1.05
         floor = r["compute_floor"]  # one process's forward+backward: below the step of every config that ran
         assert floor["what"].endswith("the chunked loss") and 0 < floor["fp32"] < min(step.values()), floor
+    floors = [r["compute_floor"] for r in report["reports"]]
+    assert floors[0] == floors[1]  # it does not depend on the world size: measured once per size
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -115,10 +115,9 @@ def causal_lm_loss(
         shift_labels: targets already aligned with the logits.
         kwargs: further keywords Hugging Face models pass to their loss; unused, as by theirs.
     """
-    if type(logits) is not torch.Tensor:  # a tensor subclass (a DTensor of a tensor-parallel head): its own ops
-        return _stock_causal_lm_loss()(
-            logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
-        )
+    stock = _stock_causal_lm_loss()
+    if type(logits) is not torch.Tensor and stock is not None:  # a subclass (a tensor-parallel DTensor): its ops
+        return stock(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.reshape(-1).to(logits.device)
