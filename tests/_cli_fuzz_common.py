@@ -77,7 +77,9 @@ def files_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     for name, data in contents.items():
         path = root / name
         path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
-    with contextlib.chdir(root):  # random relative names then name nothing that exists
+    # Random relative names then name nothing that exists. (MonkeyPatch.chdir, not contextlib.chdir: Python 3.10.)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
         yield {name: name for name in [*contents, "dir", "empty_ckpt", "bad_ckpt"]}
 
 

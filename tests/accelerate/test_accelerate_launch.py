@@ -249,7 +249,9 @@ def test_trl_dpo_with_lora(hf: dict[str, Any]) -> None:
     assert part["frozen_format"] == "int8"
     assert "ZeRO stage 3 + frozen int8 on 2 ranks: compute bf16" in hf["output"]  # DPOConfig's bf16 fills "auto"
     values = _falls(part["losses"])
-    assert values[0] == pytest.approx(math.log(2), abs=1e-3)  # policy == reference at the start
+    # Policy == reference at the start: log 2, as trl logs it (trl 1.14, what Python 3.10 resolves to, logs the
+    # bf16 loss: 0.69140625, within half a bf16 step of log 2).
+    assert values[0] == pytest.approx(math.log(2), abs=2e-3)
     assert "adapter_model.safetensors" in part["saved_files"]
     assert part["reload_max_diff"] < 1e-2 < part["base_max_diff"]  # the adapter reloads, and it matters
 
