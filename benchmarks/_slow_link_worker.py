@@ -176,11 +176,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     cpu_times: list[float] = []
     losses: list[float] = []
     tx_start = faults_start = 0
+    window_start = 0.0
     for step in range(args.warmup + args.steps):
         dist.barrier()
         if step == args.warmup:
             tx_start = _tx_bytes(ifname)
             faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            window_start = time.monotonic()
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = F.mse_loss(engine(x).float(), target)
         engine.backward(loss)
@@ -190,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
         losses.append(loss.item())
+    window_end = time.monotonic()
     # Only each namespace's first rank reads its veth; the other rank shares the same counter.
     sent = _tx_bytes(ifname) - tx_start if local_rank == 0 else 0
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -221,6 +224,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "page_faults_per_step_by_rank": [round(r["faults_per_step"]) for r in everyone],
         "max_rss_mb_by_rank": [round(r["max_rss_mb"]) for r in everyone],
         "losses": losses,
+        # The timed steps on the system-wide monotonic clock, for `bench slow-link --timeline`'s samples.
+        "timed_window_monotonic": [window_start, window_end],
         "zeropp_stats_rank0": everyone[0]["stats"],
         **info,
     }
@@ -232,7 +237,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     per_step = [max(ts) for ts in zip(*raw["step_times_by_rank"], strict=True)]
     steps = len(per_step)
-    dropped = ("step_times_by_rank", "cpu_times_by_rank", "cross_node_tx_bytes_by_node")
+    dropped = ("step_times_by_rank", "cpu_times_by_rank", "cross_node_tx_bytes_by_node", "timed_window_monotonic")
     out = {k: v for k, v in raw.items() if k not in dropped}
     out.update(
         step_s=statistics.median(per_step),

@@ -26,6 +26,9 @@ The report's keys besides the per-config entries (``configs``) and the setup:
   ``zero3_at_most_deepspeed_zero3`` (our ZeRO-3's step <= DeepSpeed ZeRO-3's) and
   ``zeropp_3x_fastest_zero3`` (``zeropp_speedup_over_fastest_zero3 >= target_zeropp_over_fastest_zero3``, 3.0).
 
+With ``--timeline`` each config's entry also has ``utilization`` (:mod:`benchmarks._slow_link_timeline`): per step,
+the seconds in which the link alone, the cores alone, both or neither were busy, sampled every 5 ms.
+
 It needs root (network namespaces, tc) and the ``ip``/``tc`` tools of iproute2. Without them it says why and
 exits 0 (``{"skipped": reason}`` with ``--json``). The namespaces are always removed: on return, on error, on
 SIGINT/SIGTERM/SIGHUP and at interpreter exit; the namespaces of an earlier run that died are removed at start.
@@ -52,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._slow_link_worker import CONFIGS, DEEPSPEED, floors, model_params, summarize
+from benchmarks._slow_link_timeline import Sampler, utilization
+from benchmarks._slow_link_worker import CONFIGS, DEEPSPEED, floors, model_params, rate_bytes_per_s, summarize
 from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, shown
 from ds_plugin.runtime.host_memory import rank_tunables
 
@@ -284,6 +288,9 @@ def run_config(args: argparse.Namespace, link: Link, config: str, workdir: Path,
             proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         _RESOURCES.procs.append(proc)
     procs = list(_RESOURCES.procs)
+    # `ip netns exec` execs the worker in place, so each Popen's pid is its rank's python process.
+    nodes_first = [procs[node * RANKS_PER_NODE].pid for node in range(NODES)]
+    sampler = Sampler([p.pid for p in procs], nodes_first, list(link.veths)) if args.timeline else None
     deadline = time.monotonic() + args.timeout
     failed = None
     while time.monotonic() < deadline:
@@ -296,9 +303,16 @@ def run_config(args: argparse.Namespace, link: Link, config: str, workdir: Path,
         time.sleep(0.2)
     timed_out = time.monotonic() >= deadline
     codes = [p.poll() for p in procs]
+    samples = sampler.stop() if sampler is not None else None
     _RESOURCES.kill_children()
     if out.exists():
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        rate = rate_bytes_per_s(link.rate)
+        if samples is not None and rate:
+            cores = min(os.cpu_count() or 1, len(procs))
+            window = tuple(result["timed_window_monotonic"])
+            result["utilization"] = utilization(samples, window, args.steps, cores, rate)
+        return result
     rank = failed if failed is not None else 0
     reason = f"timed out after {args.timeout:g}s (exit codes {codes})" if timed_out else f"exit codes {codes}"
     text = logs[rank].read_text(errors="replace") if logs[rank].exists() else ""
@@ -403,6 +417,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, from {', '.join(CONFIGS)}",
     )
     parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="sample the ranks' CPU and the link's bytes every 5 ms and report, per config, the seconds per step "
+        "the link alone, the cores alone, both or neither were busy (`utilization`; costs this process a little CPU)",
+    )
+    parser.add_argument(
         "--host-memory-reuse",
         choices=("on", "off"),
         default="on",
@@ -460,6 +480,7 @@ def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:
         warmup=args.warmup,
         threads_per_rank=1,
         host_memory_reuse=args.host_memory_reuse,
+        timeline=args.timeline,
         torch=torch.__version__,
         ds_plugin_commit=commit,
         python=platform.python_version(),
@@ -505,6 +526,12 @@ def _print_text(report: dict[str, Any]) -> None:
         if "step_s" in entry:
             mb, bound = entry["cross_node_mb_per_step_by_node"], entry.get("bound_by")
             print(f"{name:>16}: {entry['step_s']:7.3f} s/step, {mb} MB/step across per node, {bound}-bound")
+            if entry.get("utilization"):
+                u = entry["utilization"]
+                print(
+                    f"{'':>16}  per step: link alone {u['link_only_s']:.3f} s, cores alone {u['cpu_only_s']:.3f} s, "
+                    f"both {u['both_s']:.3f} s, neither {u['neither_s']:.3f} s"
+                )
         else:
             print(f"{name:>16}: {entry.get('skipped') or entry.get('reason') or entry.get('error')}")
     if report["speedup"] is not None:

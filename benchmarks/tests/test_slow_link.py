@@ -6,6 +6,8 @@ with DS_PLUGIN_RUN_SLOW_BENCH=1. Everything else here is fast and runs anywhere.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import slow_link
+from benchmarks._slow_link_timeline import Sampler, utilization
 from benchmarks._slow_link_worker import (
     CONFIGS,
     MlpStack,
@@ -86,6 +89,45 @@ def test_summarize_takes_the_slowest_rank_per_step():
     assert out["cross_node_mb_per_step_by_node"] == [1.0, 2.0]
     assert out["cpu_s_per_step_by_rank"] == [0.5, 0.3]
     assert summarize({"error": "x"}) == {"error": "x"}
+
+
+def test_utilization_sorts_each_interval_by_what_was_busy():
+    # 2 cores, a 100 B/s link, one step in the window (0, 3.75) whose intervals last 1, 2, 0.5 and 0.25 s, one
+    # class each. Samples outside the window (t = -1 and 5) would add time if they counted.
+    samples = [
+        (-1.0, 0, 0, 0),
+        (0.0, 10_000_000_000, 1_000, 2_000),
+        (1.0, 12_000_000_000, 1_010, 2_000),  # cores 2 s of 2 (busy), link 10 B/s (idle): cores alone
+        (3.0, 12_500_000_000, 1_010, 2_160),  # cores 0.125, node 1 sends 80 B/s: link alone
+        (3.5, 13_300_000_000, 1_040, 2_160),  # cores 0.8, node 0 sends 60 B/s: both
+        (3.75, 13_350_000_000, 1_040, 2_160),  # cores 0.1, nothing sent: neither
+        (5.0, 99_000_000_000, 9_000, 9_000),
+    ]
+    out = utilization(samples, (0.0, 3.75), steps=1, cores=2, link_bytes_per_s=100.0)
+    assert out["cpu_only_s"] == 1.0 and out["link_only_s"] == 2.0 and out["both_s"] == 0.5
+    assert out["neither_s"] == 0.25 and out["intervals"] == 4 and out["interval_ms"] == 937.5
+    assert out["link_rate_share"] == pytest.approx((0.1 * 1 + 0.8 * 2 + 0.6 * 0.5) / 3.75, abs=1e-3)
+    assert out["cores_share"] == pytest.approx((1.0 * 1 + 0.125 * 2 + 0.8 * 0.5 + 0.1 * 0.25) / 3.75, abs=1e-3)
+    # Per step: the same window holding two steps halves every class.
+    assert utilization(samples, (0.0, 3.75), 2, 2, 100.0)["link_only_s"] == 1.0
+    # A thread that ended takes its CPU time with it: the interval counts as idle cores, never negative time.
+    dropped = [(0.0, 5_000, 0, 0), (1.0, 1_000, 0, 90)]
+    assert utilization(dropped, (0.0, 1.0), 1, 2, 100.0)["link_only_s"] == 1.0
+    # Too few samples in the window, or a counter that could not be read (-1): no verdict.
+    assert utilization(samples[:2], (0.0, 4.0), 2, 2, 100.0) is None
+    assert utilization([(0.0, 0, -1, 0), (1.0, 0, -1, 0)], (0.0, 1.0), 1, 2, 100.0) is None
+
+
+def test_sampler_reads_this_process():
+    # This process stands in for a rank (its CPU time grows while it hashes, the GIL released so the sampler's
+    # thread runs) and for a node (the loopback counter).
+    sampler = Sampler([os.getpid()], [os.getpid()], ["lo"])
+    deadline, data = time.monotonic() + 0.2, bytes(4 << 20)
+    while time.monotonic() < deadline:
+        hashlib.sha256(data).digest()
+    samples = sampler.stop()
+    assert len(samples) >= 5 and all(a[0] < b[0] for a, b in itertools.pairwise(samples))
+    assert samples[-1][1] > samples[0][1] > 0 and samples[0][2] >= 0
 
 
 def test_rate_and_floors():
@@ -344,7 +386,8 @@ _SMALL = ["--hidden", "512", "--layers", "2", "--steps", "2", "--warmup", "1", "
 @pytest.mark.timeout(900)
 def test_real_run_on_shaped_link():
     before = _namespaces()
-    cmd = [sys.executable, "-m", "ds_plugin.cli", "bench", "slow-link", "--json", *_SMALL, "--timeout", "300"]
+    cmd = [sys.executable, "-m", "ds_plugin.cli", "bench", "slow-link", "--json", "--timeline", *_SMALL]
+    cmd += ["--timeout", "300"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=800, cwd=_REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -357,6 +400,12 @@ def test_real_run_on_shaped_link():
     bf16_mb = 2 * report["model_params"] / 1e6
     assert 2.5 * bf16_mb < z3["cross_node_mb_per_step_by_node"][0] < 3.5 * bf16_mb
     assert zpp["cross_node_mb_per_step_by_node"][0] < 0.3 * z3["cross_node_mb_per_step_by_node"][0]
+    # --timeline: the four classes cover the timed window, whose steps the step times describe.
+    for entry in (z3, zpp):
+        u = entry["utilization"]
+        covered = u["link_only_s"] + u["cpu_only_s"] + u["both_s"] + u["neither_s"]
+        assert entry["step_s_min"] * 0.9 < covered < entry["step_s_max"] * 1.5, (covered, entry["step_s_all"])
+    assert z3["utilization"]["link_rate_share"] > 0.3  # ZeRO-3 is link-bound here
     assert _namespaces() == before  # the run removed its namespaces
 
 
