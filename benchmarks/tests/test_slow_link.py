@@ -396,9 +396,10 @@ def test_real_run_on_shaped_link():
     assert report["ranks"] == 4 and report["nodes"] == 2 and report["dtype"] == "bf16"
     assert report["speedup"] == pytest.approx(report["zero3_step_s"] / report["zeropp_step_s"])
     z3, zpp = report["configs"]["zero3"], report["configs"]["zeropp"]
-    # ZeRO-3 sends ~3x the bf16 model across the link per step; ZeRO++ about a sixth of that.
+    # Each node sends ~1.5x the bf16 model across the link per ZeRO-3 step (every block is gathered once and kept
+    # to its backward, then its gradients are reduce-scattered); ZeRO++ about a quarter of that.
     bf16_mb = 2 * report["model_params"] / 1e6
-    assert 2.5 * bf16_mb < z3["cross_node_mb_per_step_by_node"][0] < 3.5 * bf16_mb
+    assert 1.25 * bf16_mb < z3["cross_node_mb_per_step_by_node"][0] < 1.75 * bf16_mb
     assert zpp["cross_node_mb_per_step_by_node"][0] < 0.3 * z3["cross_node_mb_per_step_by_node"][0]
     # --timeline: the four classes cover the timed window, whose steps the step times describe.
     for entry in (z3, zpp):
