@@ -27,7 +27,7 @@ The report's keys besides the per-config entries (``configs``) and the setup:
   ``zeropp_3x_fastest_zero3`` (``zeropp_speedup_over_fastest_zero3 >= target_zeropp_over_fastest_zero3``, 3.0).
 
 With ``--timeline`` each config's entry also has ``utilization`` (:mod:`benchmarks._slow_link_timeline`): per step,
-the seconds in which the link alone, the cores alone, both or neither were busy, sampled every 5 ms.
+the seconds in which the link alone, the cores alone, both or neither were busy, sampled about every 5 ms.
 
 It needs root (network namespaces, tc) and the ``ip``/``tc`` tools of iproute2. Without them it says why and
 exits 0 (``{"skipped": reason}`` with ``--json``). The namespaces are always removed: on return, on error, on
@@ -419,7 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timeline",
         action="store_true",
-        help="sample the ranks' CPU and the link's bytes every 5 ms and report, per config, the seconds per step "
+        help="sample the ranks' CPU and the link's bytes about every 5 ms and report, per config, the seconds per step "
         "the link alone, the cores alone, both or neither were busy (`utilization`; costs this process a little CPU)",
     )
     parser.add_argument(
