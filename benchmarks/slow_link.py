@@ -27,7 +27,8 @@ The report's keys besides the per-config entries (``configs``) and the setup:
   ``zeropp_3x_fastest_zero3`` (``zeropp_speedup_over_fastest_zero3 >= target_zeropp_over_fastest_zero3``, 3.0).
 
 With ``--timeline`` each config's entry also has ``utilization`` (:mod:`benchmarks._slow_link_timeline`): per step,
-the seconds in which the link alone, the cores alone, both or neither were busy, sampled about every 5 ms.
+the seconds in which the link alone, the cores alone, both or neither were busy, sampled about every 5 ms, and the
+first two steps' samples (``trace``), which ``--png`` charts.
 
 It needs root (network namespaces, tc) and the ``ip``/``tc`` tools of iproute2. Without them it says why and
 exits 0 (``{"skipped": reason}`` with ``--json``). The namespaces are always removed: on return, on error, on
@@ -55,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._slow_link_timeline import Sampler, utilization
+from benchmarks._slow_link_timeline import Sampler, draw, trace, utilization
 from benchmarks._slow_link_worker import CONFIGS, DEEPSPEED, floors, model_params, rate_bytes_per_s, summarize
-from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, shown
+from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, output_file, shown
 from ds_plugin.runtime.host_memory import rank_tunables
 
 __all__ = ["Link", "benchmark", "compare", "error_reason", "link_commands", "main", "parse_args", "stale_namespaces"]
@@ -312,6 +313,9 @@ def run_config(args: argparse.Namespace, link: Link, config: str, workdir: Path,
             cores = min(os.cpu_count() or 1, len(procs))
             window = tuple(result["timed_window_monotonic"])
             result["utilization"] = utilization(samples, window, args.steps, cores, rate)
+            if result["utilization"] is not None:  # the first two steps, for --png
+                seconds = 2 * (window[1] - window[0]) / args.steps
+                result["utilization"]["trace"] = trace(samples, window, seconds, cores, rate)
         return result
     rank = failed if failed is not None else 0
     reason = f"timed out after {args.timeout:g}s (exit codes {codes})" if timed_out else f"exit codes {codes}"
@@ -423,12 +427,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the link alone, the cores alone, both or neither were busy (`utilization`; costs this process a little CPU)",
     )
     parser.add_argument(
+        "--png",
+        type=output_file,
+        help="with --timeline: chart the cores' and the link's busy fractions over two steps of each config (needs "
+        "matplotlib)",
+    )
+    parser.add_argument(
         "--host-memory-reuse",
         choices=("on", "off"),
         default="on",
         help="glibc malloc keeps freed memory in every rank of every config, DeepSpeed's too (on; see README)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.png and not args.timeline:
+        parser.error("--png charts the --timeline samples: add --timeline")
+    return args
 
 
 def _deepspeed_importable() -> bool:
@@ -566,6 +579,11 @@ def main(argv: list[str] | None = None) -> int:
         _RESOURCES.release()
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if args.png:
+        os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)  # allowed while parsing
+        title = f"bench slow-link: {report['link']}; {report['model_params'] / 1e6:.0f}M parameters, 4 ranks"
+        if not draw(report["configs"], args.png, title):
+            print("no config has a timeline to chart (too few samples in its timed steps)", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

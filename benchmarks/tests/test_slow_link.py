@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import slow_link
-from benchmarks._slow_link_timeline import Sampler, utilization
+from benchmarks._slow_link_timeline import Sampler, draw, trace, utilization
 from benchmarks._slow_link_worker import (
     CONFIGS,
     MlpStack,
@@ -42,7 +42,8 @@ def test_parse_args_defaults_and_configs():
     assert (args.rate, args.configs, args.json) == ("1gbit", ours + theirs, False)
     args = slow_link.parse_args(["--json", "--configs", "zeropp, zero3", "--hidden", "64", "--delay-ms", "0.5"])
     assert (args.configs, args.hidden, args.delay_ms, args.json) == (["zeropp", "zero3"], 64, 0.5, True)
-    for bad in (["--configs", "zero4"], ["--steps", "0"], ["--timeout", "0"], ["--warmup", "-1"]):
+    assert slow_link.parse_args(["--timeline", "--png", "t.png"]).png == "t.png"
+    for bad in (["--configs", "zero4"], ["--steps", "0"], ["--timeout", "0"], ["--warmup", "-1"], ["--png", "t.png"]):
         with pytest.raises(SystemExit) as exc:
             slow_link.parse_args(bad)
         assert exc.value.code == 2
@@ -116,6 +117,20 @@ def test_utilization_sorts_each_interval_by_what_was_busy():
     # Too few samples in the window, or a counter that could not be read (-1): no verdict.
     assert utilization(samples[:2], (0.0, 4.0), 2, 2, 100.0) is None
     assert utilization([(0.0, 0, -1, 0), (1.0, 0, -1, 0)], (0.0, 1.0), 1, 2, 100.0) is None
+
+
+def test_trace_keeps_the_start_of_the_window_and_draw_charts_it(tmp_path):
+    # Intervals of 1 s: cores 100% then 25%, link 10% then 80%; kept: the first 2.5 s of the window (0, 10).
+    samples = [(-1.0, 0, 0, 0), (0.0, 0, 0, 0), (1.0, 2_000_000_000, 10, 0), (2.0, 2_500_000_000, 10, 80)]
+    samples += [(3.0, 9_000_000_000, 500, 500)]  # past the 2.5 s kept
+    points = trace(samples, (0.0, 10.0), 2.5, cores=2, link_bytes_per_s=100.0)
+    assert points == [[0.5, 1.0, 0.1], [1.5, 0.25, 0.8]]
+    entry = {"step_s": 1.0, "utilization": {"link_only_s": 0.5, "cpu_only_s": 0.5, "both_s": 0.0, "trace": points}}
+    png = tmp_path / "timeline.png"
+    assert draw({"zeropp": entry, "failed": {"error": "x"}}, str(png), "title")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not draw({"failed": {"error": "x"}}, str(tmp_path / "none.png"), "title")
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_sampler_reads_this_process():
@@ -384,10 +399,10 @@ _SMALL = ["--hidden", "512", "--layers", "2", "--steps", "2", "--warmup", "1", "
 @pytest.mark.slow
 @_needs_real_run
 @pytest.mark.timeout(900)
-def test_real_run_on_shaped_link():
+def test_real_run_on_shaped_link(tmp_path):
     before = _namespaces()
     cmd = [sys.executable, "-m", "ds_plugin.cli", "bench", "slow-link", "--json", "--timeline", *_SMALL]
-    cmd += ["--timeout", "300"]
+    cmd += ["--timeout", "300", "--png", str(tmp_path / "charts" / "timeline.png")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=800, cwd=_REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -406,7 +421,9 @@ def test_real_run_on_shaped_link():
         u = entry["utilization"]
         covered = u["link_only_s"] + u["cpu_only_s"] + u["both_s"] + u["neither_s"]
         assert entry["step_s_min"] * 0.9 < covered < entry["step_s_max"] * 1.5, (covered, entry["step_s_all"])
+        assert entry["utilization"]["trace"] and entry["utilization"]["trace"][-1][0] <= 2.5 * entry["step_s_max"]
     assert z3["utilization"]["link_rate_share"] > 0.3  # ZeRO-3 is link-bound here
+    assert (tmp_path / "charts" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert _namespaces() == before  # the run removed its namespaces
 
 
