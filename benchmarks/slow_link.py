@@ -581,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
     if args.png:
         os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)  # allowed while parsing
-        title = f"bench slow-link: {report['link']}; {report['model_params'] / 1e6:.0f}M parameters, 4 ranks"
+        size = f"{report['model_params'] / 1e6:.0f}M parameters"
+        title = f"bench slow-link: {args.rate} link between {NODES} nodes of {RANKS_PER_NODE} ranks, {size}"
         if not draw(report["configs"], args.png, title):
             print("no config has a timeline to chart (too few samples in its timed steps)", file=sys.stderr)
     if args.json:
