@@ -441,6 +441,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.png and not args.timeline:
         parser.error("--png charts the --timeline samples: add --timeline")
+    if args.png and importlib.util.find_spec("matplotlib") is None:  # said now, not after minutes of runs
+        parser.error("--png needs matplotlib: pip install -e '.[bench]'")
     return args
 
 

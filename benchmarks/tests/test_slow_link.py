@@ -49,6 +49,14 @@ def test_parse_args_defaults_and_configs():
         assert exc.value.code == 2
 
 
+def test_png_without_matplotlib_is_refused_before_any_run(monkeypatch, capsys):
+    real = slow_link.importlib.util.find_spec
+    monkeypatch.setattr(slow_link.importlib.util, "find_spec", lambda n: None if n == "matplotlib" else real(n))
+    with pytest.raises(SystemExit) as exc:
+        slow_link.parse_args(["--timeline", "--png", "t.png"])
+    assert exc.value.code == 2 and "--png needs matplotlib: pip install" in capsys.readouterr().err
+
+
 def test_model_params_matches_the_model():
     assert model_params(32, 3) == sum(p.numel() for p in MlpStack(32, 3).parameters()) == 3 * 2 * 32 * 128
 
