@@ -33,7 +33,7 @@ __all__ = ["ChunkedCrossEntropy", "causal_lm_loss", "chunk_rows", "use_chunked_l
 
 #: fp32 bytes of one chunk: a few rows that stay in a CPU core's cache, or enough rows on an accelerator that
 #: the kernels launched per chunk do not dominate.
-_CHUNK_BYTES = {"cpu": 2 << 20}
+_CPU_CHUNK_BYTES = 2 << 20
 _ACCELERATOR_CHUNK_BYTES = 64 << 20
 
 
@@ -44,7 +44,7 @@ def chunk_rows(vocab: int, device: torch.device) -> int:
         vocab: the number of columns (classes) of the logits.
         device: where the logits live.
     """
-    budget = _CHUNK_BYTES.get(device.type, _ACCELERATOR_CHUNK_BYTES)
+    budget = _CPU_CHUNK_BYTES if device.type == "cpu" else _ACCELERATOR_CHUNK_BYTES
     return max(1, budget // (4 * max(1, vocab)))
 
 

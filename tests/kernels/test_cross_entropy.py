@@ -24,7 +24,7 @@ ROWS = 7  # rows per chunk in these tests: 2 x 40 tokens cross many chunks and e
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(cross_entropy._CHUNK_BYTES, "cpu", ROWS * 4 * VOCAB)
+    monkeypatch.setattr(cross_entropy, "_CPU_CHUNK_BYTES", ROWS * 4 * VOCAB)
     assert chunk_rows(VOCAB, torch.device("cpu")) == ROWS
 
 
