@@ -343,7 +343,7 @@ def _landing(hop2: list, pieces: list, numel: int, device: torch.device) -> Call
     def finish() -> Tensor:
         total = torch.empty(numel, dtype=torch.float32, device=device)
         for (start, end), exchange in zip(pieces, hop2, strict=True):
-            total[start:end] = exchange.sum()
+            exchange.sum(out=total[start:end])
         return total
 
     return finish
@@ -380,14 +380,16 @@ class _Exchange:
             dist.all_to_all_single(self.scales, send_scales, group=group, async_op=True),
         ]
 
-    def sum(self) -> Tensor:
-        """Wait for the exchange; the fp32 sum of what this rank received, shaped ``chunks[0]``."""
+    def sum(self, out: Tensor | None = None) -> Tensor:
+        """Wait for the exchange; the fp32 sum of what this rank received, shaped ``chunks[0]`` (written into `out`
+        when given, which is returned)."""
         if self.peers == 1:
-            return self.chunks[0].float()
+            return self.chunks[0].float() if out is None else out.copy_(self.chunks[0])
         for work in self.works:
             work.wait()
         own = self.chunks[self.me]
-        return dequantize_sum_rows(self.packed, self.scales.view(-1), own, self.me, self.block, compiled=self.compiled)
+        scales = self.scales.view(-1)
+        return dequantize_sum_rows(self.packed, scales, own, self.me, self.block, compiled=self.compiled, out=out)
 
 
 def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

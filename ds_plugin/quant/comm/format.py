@@ -41,17 +41,21 @@ __all__ = [
     "QMAX",
     "SCALE_DTYPES",
     "as_blocks",
+    "block_codes",
+    "block_scales",
     "check_format",
     "dequantize_blocks",
     "dequantize_reference",
     "int4_nibbles",
     "max_finite_scale",
     "pack_int4",
+    "pack_nibbles",
     "quantize_blocks",
     "quantize_reference",
     "quantized_nbytes",
     "round_up_to_bf16",
     "scale_cap",
+    "sent_scales",
     "unpack_int4",
 ]
 
@@ -165,22 +169,49 @@ def quantize_blocks(blocks: Tensor, bits: int, cap: float, scale_dtype: torch.dt
         ``(codes, scales)``: int8 ``(..., n_blocks, block)`` for 8 bits, uint8 ``(..., n_blocks, block / 2)``
         packed for 4; scales flat, one per block in order, nan for blocks that held inf/nan.
     """
-    qmax = QMAX[bits]
     values = blocks.float()
     # amax propagates inf/nan, so one check per block (not per element) finds the non-finite blocks.
-    amax = values.abs().amax(dim=-1, keepdim=True)
+    scales, nonfinite = block_scales(values.abs().amax(dim=-1, keepdim=True), bits, cap, scale_dtype)
+    codes = block_codes(values, scales, nonfinite, bits)
+    return (codes if bits == 8 else _pack_pairs(codes)), sent_scales(scales, nonfinite, scale_dtype)
+
+
+def block_scales(amax: Tensor, bits: int, cap: float, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Each block's fp32 scale from its fp32 ``amax`` (``(..., n_blocks, 1)``), and which blocks are non-finite.
+
+    The steps of :func:`quantize_blocks`, for a quantizer that reads a block's elements in another order (the
+    compiled INT4 step of :mod:`ds_plugin.quant.comm.fused` reads even and odd elements apart).
+
+    Args:
+        amax: ``max(|x|)`` of each block in fp32 (inf or nan where the block holds one).
+        bits, cap, scale_dtype: as for :func:`quantize_blocks`.
+
+    Returns:
+        ``(scales, nonfinite)``: the scales the codes are computed against (bf16-representable for bf16 scales),
+        and a bool mask of the blocks that held inf/nan, both shaped like ``amax``.
+    """
     nonfinite = ~torch.isfinite(amax)
     # Divide by a tensor, not a Python scalar: CUDA torch turns `t / scalar` into `t * (1 / scalar)`, which rounds
     # differently from the correctly rounded division the Triton kernel performs.
-    scales = amax / torch.full_like(amax, float(qmax))
+    scales = amax / torch.full_like(amax, float(QMAX[bits]))
     scales = torch.where(scales == 0, 1.0, scales).clamp(max=cap)
     if scale_dtype == torch.bfloat16:
         # The codes are computed against the scale the receiver will see.
         scales = round_up_to_bf16(scales)
+    return scales, nonfinite
+
+
+def block_codes(values: Tensor, scales: Tensor, nonfinite: Tensor, bits: int) -> Tensor:
+    """int8 codes of fp32 ``values`` (``(..., n_blocks, k)``) against :func:`block_scales`' results; 0 in
+    non-finite blocks."""
+    qmax = QMAX[bits]
     codes = torch.round(values / scales).clamp(-qmax, qmax)
-    codes = torch.where(nonfinite, 0.0, codes).to(torch.int8)
-    scales = torch.where(nonfinite, float("nan"), scales).to(scale_dtype).reshape(-1)
-    return (codes if bits == 8 else _pack_pairs(codes)), scales
+    return torch.where(nonfinite, 0.0, codes).to(torch.int8)
+
+
+def sent_scales(scales: Tensor, nonfinite: Tensor, scale_dtype: torch.dtype) -> Tensor:
+    """The scales as they travel: flat, in ``scale_dtype``, nan for the non-finite blocks."""
+    return torch.where(nonfinite, float("nan"), scales).to(scale_dtype).reshape(-1)
 
 
 def dequantize_blocks(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
@@ -241,9 +272,15 @@ def unpack_int4(packed: Tensor, numel: int) -> Tensor:
 
 
 def _pack_pairs(codes: Tensor) -> Tensor:
-    # Pairs along the last dim (its length is even): the one place the nibble layout is written down.
-    pairs = codes.unflatten(-1, (-1, 2)).view(torch.uint8) & 0xF
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    # Pairs along the last dim (its length is even).
+    pairs = codes.unflatten(-1, (-1, 2))
+    return pack_nibbles(pairs[..., 0], pairs[..., 1])
+
+
+def pack_nibbles(low: Tensor, high: Tensor) -> Tensor:
+    """uint8 bytes holding int8 codes ``low`` (elements ``2i``) and ``high`` (``2i + 1``): the one place the
+    nibble layout is written down (:func:`int4_nibbles` reads it back)."""
+    return (low.view(torch.uint8) & 0xF) | ((high.view(torch.uint8) & 0xF) << 4)
 
 
 def quantize_reference(

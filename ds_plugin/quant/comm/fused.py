@@ -17,7 +17,8 @@ The maths is not written here: the quantize and dequantize steps call
 :func:`ds_plugin.quant.comm.format.quantize_blocks` and :func:`~ds_plugin.quant.comm.format.dequantize_blocks`, the
 format's reference, so the eager form *is* the reference and the compiled form is the same function compiled (tests
 check that they agree bit for bit). The qgZ sum step decodes INT4 with
-:func:`~ds_plugin.quant.comm.format.int4_nibbles` and adds in peer order.
+:func:`~ds_plugin.quant.comm.format.int4_nibbles` and adds in peer order. Compiled, INT4 reads and writes its element
+pairs as machine words (see ``_as_words``), through the format's own scale, code and nibble steps.
 
 When to compile: compiling costs seconds once per process (then the on-disk inductor cache makes it faster),
 so by default only CPU buckets of at least :data:`COMPILE_MIN_NUMEL` elements take the compiled form: tiny
@@ -31,12 +32,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from ds_plugin.quant.comm.format import as_blocks, dequantize_blocks, int4_nibbles, quantize_blocks, scale_cap
+from ds_plugin.quant.comm.format import (
+    as_blocks,
+    block_codes,
+    block_scales,
+    dequantize_blocks,
+    int4_nibbles,
+    pack_nibbles,
+    quantize_blocks,
+    scale_cap,
+    sent_scales,
+)
 
 __all__ = [
     "COMPILE_MIN_NUMEL",
@@ -70,10 +82,10 @@ def quantize_rows(rows: Tensor, block: int, bits: int, *, compiled: bool | None 
         that may need ``.contiguous()``), and bf16 scales, ``ceil(numel / block)`` per row, row after row.
     """
     numel = rows.shape[-1]
-    fn = _pick(_quantize_blocks, rows, compiled)
+    compiled = use_compiled(rows) if compiled is None else compiled
     # The cap is computed here, outside the compiled graph (it searches fp32 values with a loop).
     cap = scale_cap(bits, torch.bfloat16)
-    parts = [fn(as_blocks(piece, block), bits, cap) for piece in _contiguous_pieces(rows)]
+    parts = [_quantize_piece(as_blocks(piece, block), bits, cap, compiled) for piece in _contiguous_pieces(rows)]
     if len(parts) == 1:
         codes, scales = parts[0]
     else:  # only the (small) results are copied together
@@ -81,6 +93,13 @@ def quantize_rows(rows: Tensor, block: int, bits: int, *, compiled: bool | None 
         scales = torch.cat([sc for _, sc in parts])
     width = numel if bits == 8 else (numel + 1) // 2
     return codes.flatten(-2)[..., :width], scales
+
+
+def _quantize_piece(blocks: Tensor, bits: int, cap: float, compiled: bool) -> tuple[Tensor, Tensor]:
+    words = _as_words(blocks) if compiled and bits == 4 else None
+    if words is not None:
+        return _compiled(_quantize_int4_words)(words, cap)
+    return _pick(_quantize_blocks, blocks, compiled)(blocks, bits, cap)
 
 
 def dequantize_rows_into(out: Tensor, codes: Tensor, scales: Tensor, block: int, *, compiled: bool | None = None):
@@ -113,7 +132,14 @@ def dequantize_rows_into(out: Tensor, codes: Tensor, scales: Tensor, block: int,
 
 
 def dequantize_sum_rows(
-    packed: Tensor, scales: Tensor, own: Tensor, me: int, block: int, *, compiled: bool | None = None
+    packed: Tensor,
+    scales: Tensor,
+    own: Tensor,
+    me: int,
+    block: int,
+    *,
+    compiled: bool | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """fp32 sum of the INT4 rows of every peer, with peer ``me``'s replaced by this rank's exact values.
 
@@ -124,15 +150,23 @@ def dequantize_sum_rows(
         me: this rank's index among the peers.
         block: the block size used to quantize (even).
         compiled: as for :func:`quantize_rows`.
+        out: fp32, ``own``'s shape: written and returned (else a new tensor is returned, possibly a view).
 
     Returns:
         fp32, ``(..., numel)``.
     """
     numel = own.shape[-1]
+    compiled = use_compiled(own) if compiled is None else compiled
     grid = as_blocks(packed, block // 2)
     own_blocks = as_blocks(own, block)
-    total = _pick(_dequantize_sum_blocks, own, compiled)(grid, scales, own_blocks, me)
-    return total.flatten(-2)[..., :numel]
+    if compiled and numel % block == 0:
+        result = torch.empty(own.shape, dtype=torch.float32, device=own.device) if out is None else out
+        own_words, out_words = _as_words(own_blocks), _as_words(result.unflatten(-1, (-1, block)))
+        if own_words is not None and out_words is not None:
+            _compiled(_dequantize_sum_words)(out_words, grid, scales, own_words, me)
+            return result
+    total = _pick(_dequantize_sum_blocks, own, compiled)(grid, scales, own_blocks, me).flatten(-2)[..., :numel]
+    return total if out is None else out.copy_(total)
 
 
 def compile_report() -> dict[str, object]:
@@ -162,8 +196,10 @@ def _contiguous_pieces(t: Tensor) -> list[Tensor]:
 # emitted scalar code 5x slower, so the block (and the peer count) are marked static: (argument, dims) per step.
 _STATIC_DIMS = {
     "_quantize_blocks": ((0, (-1,)),),
+    "_quantize_int4_words": ((0, (-1,)),),
     "_dequantize_blocks": ((0, (-1,)), (1, (-1,))),
     "_dequantize_sum_blocks": ((0, (0, -1)), (2, (-1,))),
+    "_dequantize_sum_words": ((0, (-1,)), (1, (0, -1)), (3, (-1,))),
 }
 
 
@@ -195,6 +231,59 @@ def _dequantize_sum_blocks(packed: Tensor, scales: Tensor, own: Tensor, me: int)
             e, o = low.float() * scale[i], high.float() * scale[i]
         even, odd = (e, o) if even is None else (even + e, odd + o)
     return torch.stack((even, odd), dim=-1).flatten(-2)
+
+
+# INT4 pairs as machine words. Compiled, the steps above read (quantize) or write (sum) INT4's element pairs with
+# stride-2 accesses, which inductor's CPU code does one element at a time. Read as one int32 (two bf16) or int64
+# (two fp32) per pair, every access is contiguous and vectorized: on one core, 2M bf16 elements quantize in
+# 0.6-0.7 ms instead of 1.8, and two peers' sum in 0.3 ms instead of 2.0, written straight into the caller's buffer
+# (which had cost another 2 ms copy).
+# Bit for bit the same: bf16 and fp32 are the top 16 / all 32 bits of the fp32 value, so widening is a shift or a
+# mask, and every element goes through the same fp32 operations in the same order. Little-endian machines only
+# (element 2i in a word's low half); fp16 (no bit-level widening) and views whose pairs do not line up with words
+# take the steps above.
+_WORD_OF = {torch.bfloat16: torch.int32, torch.float32: torch.int64}
+
+
+def _as_words(blocks: Tensor) -> Tensor | None:
+    """``(..., n_blocks, block)`` bf16 / fp32 as ``(..., n_blocks, block / 2)`` words of element pairs, else None."""
+    word = _WORD_OF.get(blocks.dtype)
+    if word is None or sys.byteorder != "little" or blocks.stride(-1) != 1 or blocks.shape[-1] % 2:
+        return None
+    if blocks.storage_offset() % 2 or any(stride % 2 for stride in blocks.stride()[:-1]):
+        return None
+    return blocks.view(word)
+
+
+def _pair_values(words: Tensor) -> tuple[Tensor, Tensor]:
+    # fp32 values of each word's elements 2i (low half) and 2i + 1 (high half).
+    if words.dtype == torch.int32:
+        return (words << 16).view(torch.float32), (words & -65536).view(torch.float32)
+    return (words & 0xFFFFFFFF).to(torch.int32).view(torch.float32), (words >> 32).to(torch.int32).view(torch.float32)
+
+
+def _quantize_int4_words(words: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    # `_quantize_blocks` at 4 bits on element pairs: the format's scale and code rules on the even and odd halves.
+    even, odd = _pair_values(words)
+    amax = torch.maximum(even.abs().amax(dim=-1, keepdim=True), odd.abs().amax(dim=-1, keepdim=True))
+    scales, nonfinite = block_scales(amax, 4, cap, torch.bfloat16)
+    low, high = block_codes(even, scales, nonfinite, 4), block_codes(odd, scales, nonfinite, 4)
+    return pack_nibbles(low, high), sent_scales(scales, nonfinite, torch.bfloat16)
+
+
+def _dequantize_sum_words(out: Tensor, packed: Tensor, scales: Tensor, own: Tensor, me: int) -> None:
+    # `_dequantize_sum_blocks` on element pairs, written into `out`'s int64 words (two fp32 each).
+    scale = scales.float().view(*packed.shape[:-1], 1)
+    even = odd = None
+    for i in range(packed.shape[0]):
+        if i == me:
+            e, o = _pair_values(own)
+        else:
+            low, high = int4_nibbles(packed[i])
+            e, o = low.float() * scale[i], high.float() * scale[i]
+        even, odd = (e, o) if even is None else (even + e, odd + o)
+    low_bits = even.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out.copy_(low_bits | (odd.view(torch.int32).to(torch.int64) << 32))
 
 
 def _pick(fn: Callable, t: Tensor, compiled: bool | None) -> Callable:

@@ -10,7 +10,7 @@ from ds_plugin.quant.comm import fused
 from ds_plugin.quant.comm.format import dequantize_reference, quantize_reference
 
 # (rows, numel, block): whole blocks, a ragged last block, a block larger than the row, odd INT4 counts.
-SHAPES = [(3, 1000, 64), (2, 4097, 4096), (1, 10, 4), (4, 130, 64), (2, 7, 8)]
+SHAPES = [(3, 1000, 64), (2, 4097, 4096), (1, 10, 4), (4, 130, 64), (2, 7, 8), (3, 256, 64)]
 MODES = [
     pytest.param(False, id="eager"),
     pytest.param(
@@ -55,6 +55,8 @@ def test_quantize_rows_equals_reference(dtype, bits, compiled):
             assert torch.equal(codes[r], ref_codes), (n, numel, block, r)
             # Compared as bits: nan scales must match too.
             assert torch.equal(scales[r * per_row : (r + 1) * per_row].view(torch.int16), ref_scales.view(torch.int16))
+    if compiled and bits == 4 and dtype != torch.float16:  # the pair-word form ran (fp16 has none)
+        assert fused._quantize_int4_words in fused._COMPILED_RUNS
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -87,9 +89,19 @@ def test_dequantize_sum_rows_equals_reference(dtype, compiled):
                 for r in range(n)
             ]
             want = torch.stack(rows).sum(dim=0)
-            assert got.dtype == torch.float32
-            assert torch.equal(got.isnan(), want.isnan())
-            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (n, numel, block, me)
+            # Into a slice of a larger buffer, as qgZ lands each piece in its result.
+            buffer = torch.full((numel + 2 * block,), 7.0)
+            into = fused.dequantize_sum_rows(
+                packed.contiguous(), scales, x[me], me, block, compiled=compiled, out=buffer[block : block + numel]
+            )
+            assert into.data_ptr() == buffer[block:].data_ptr()
+            assert (buffer[:block] == 7).all() and (buffer[block + numel :] == 7).all()
+            for result in (got, into):
+                assert result.dtype == torch.float32
+                assert torch.equal(result.isnan(), want.isnan())
+                assert torch.equal(result.nan_to_num(), want.nan_to_num()), (n, numel, block, me)
+    if compiled:  # whole blocks took the pair-word form
+        assert fused._dequantize_sum_words in fused._COMPILED_RUNS
 
 
 @pytest.mark.parametrize("compiled", MODES)
