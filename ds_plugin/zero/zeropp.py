@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -208,23 +209,32 @@ def _pieces(numel: int, block: int, piece_numel: int) -> list[tuple[int, int]]:
 
 
 class _Gathering:
-    """An asynchronous all-gather of one piece's codes and scales over one group."""
+    """An asynchronous all-gather of one piece's codes and scales over one group, as one collective.
+
+    The codes and scales travel in one byte buffer per rank (codes first): a second, tiny collective per piece cost
+    the slow link ~10 ms a layer (a 1 Gbit/s link between two namespaces, 2 ranks each: 8.4 MB of INT8 codes per
+    rank in 4 pieces crossed in 154 ms alone, 166 ms with each piece's scales gathered apart).
+    """
 
     def __init__(self, codes: Tensor, scales: Tensor, group: dist.ProcessGroup) -> None:
-        size = dist.get_world_size(group)
-        self.sent = (codes, scales)  # alive until the gather lands (the work holds them too)
-        self.codes = codes.new_empty(size * codes.numel())
-        self.scales = scales.new_empty(size * scales.numel())
-        self.works = [
-            _all_gather(self.codes, codes, group, async_op=True),
-            _all_gather(self.scales, scales, group, async_op=True),
-        ]
+        self.size = dist.get_world_size(group)
+        self.dtypes = (codes.dtype, scales.dtype)
+        self.sent = _bundle(codes, scales)  # alive until the gather lands (the work holds it too)
+        self.split = codes.numel() * codes.element_size()
+        self.gathered = self.sent.new_empty(self.size * self.sent.numel())
+        self.work = _all_gather(self.gathered, self.sent, group, async_op=True)
 
     def wait(self) -> tuple[Tensor, Tensor]:
         """The gathered codes and scales, each concatenated in the group's rank order."""
-        for work in self.works:
-            work.wait()
-        return self.codes, self.scales
+        self.work.wait()
+        rows = self.gathered.view(self.size, -1)
+        codes = rows[:, : self.split].contiguous().view(self.dtypes[0]).view(-1)
+        return codes, rows[:, self.split :].contiguous().view(self.dtypes[1]).view(-1)
+
+
+def _bundle(codes: Tensor, scales: Tensor) -> Tensor:
+    """The bytes of ``codes`` then those of ``scales``, in one flat uint8 buffer."""
+    return torch.cat((codes.reshape(-1).view(torch.uint8), scales.reshape(-1).view(torch.uint8)))
 
 
 def _land(flights: list[_Gathering], levels: tuple):
@@ -364,32 +374,28 @@ class _Exchange:
         if self.peers == 1:  # nothing to exchange
             return
         others = [i for i in range(self.peers) if i != self.me]
-        rows = [quantize_rows(chunks[i], block, 4, compiled=compiled) for i in others]
-        send = rows[0][0].new_empty((self.peers, *rows[0][0].shape))
-        send_scales = rows[0][1].new_empty((self.peers, rows[0][1].numel()))
+        # One row of bytes per destination, its packed codes then its scales (one collective, as `_Gathering`).
+        self.packed_shape = (*chunks.shape[1:-1], -(-chunks.shape[-1] // 2))
+        self.split = math.prod(self.packed_shape)
+        rows = {i: _bundle(*quantize_rows(chunks[i], block, 4, compiled=compiled)) for i in others}
+        send = chunks.new_empty((self.peers, rows[others[0]].numel()), dtype=torch.uint8)
         send[self.me].zero_()
-        send_scales[self.me].zero_()
-        for i, (codes, scales) in zip(others, rows, strict=True):
-            send[i].copy_(codes)
-            send_scales[i].copy_(scales)
-        self.packed = torch.empty_like(send)
-        self.scales = torch.empty_like(send_scales)
-        self.sent = (send, send_scales)  # the work holds them too; kept here so their lifetime is plain to see
-        self.works = [
-            dist.all_to_all_single(self.packed, send, group=group, async_op=True),
-            dist.all_to_all_single(self.scales, send_scales, group=group, async_op=True),
-        ]
+        for i, row in rows.items():
+            send[i].copy_(row)
+        self.received = torch.empty_like(send)
+        self.sent = send  # the work holds it too; kept here so its lifetime is plain to see
+        self.work = dist.all_to_all_single(self.received, send, group=group, async_op=True)
 
     def sum(self, out: Tensor | None = None) -> Tensor:
         """Wait for the exchange; the fp32 sum of what this rank received, shaped ``chunks[0]`` (written into `out`
         when given, which is returned)."""
         if self.peers == 1:
             return self.chunks[0].float() if out is None else out.copy_(self.chunks[0])
-        for work in self.works:
-            work.wait()
+        self.work.wait()
+        packed = self.received[:, : self.split].contiguous().view(self.peers, *self.packed_shape)
+        scales = self.received[:, self.split :].contiguous().view(torch.bfloat16).view(-1)
         own = self.chunks[self.me]
-        scales = self.scales.view(-1)
-        return dequantize_sum_rows(self.packed, scales, own, self.me, self.block, compiled=self.compiled, out=out)
+        return dequantize_sum_rows(packed, scales, own, self.me, self.block, compiled=self.compiled, out=out)
 
 
 def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
