@@ -62,8 +62,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 #: Elements per pipelined piece of a shard (qwZ) or destination chunk (qgZ). A collective over a bigger bucket
 #: is cut into pieces of about this size, whole blocks each, so the first hop of one piece is on the wire while
-#: the next hop or the decoding of another runs: on CPU the quantizer's work then overlaps the slow link.
-PIECE_NUMEL = 1 << 21
+#: the next hop or the decoding of another runs: on CPU the quantizer's work then overlaps the slow link. 1M, not
+#: 2M: `ds-plugin bench slow-link` (1 Gbit/s, 2 nodes of 2 CPU ranks) stepped ZeRO++ in 0.659/0.649 s against
+#: 0.687/0.657 s on its 2-block model and 0.591/0.625 against 0.636/0.627 s with 8 blocks (alternating runs); on
+#: the link alone, 8.4 MB crossed in 146 ms in 8 pieces, 154 ms in 4 (gloo keeps more of the link busy with more
+#: pieces in flight). Smaller pieces cost more CPU than they gained. Not yet measured between GPUs.
+PIECE_NUMEL = 1 << 20
 
 
 @dataclasses.dataclass
