@@ -302,13 +302,16 @@ def _numel(module: nn.Module) -> int:
 
 
 def _ahead(units: list[nn.Module], sizes: dict[nn.Module, int], numel: int) -> list[nn.Module]:
-    # The leading units of `units` whose parameters (`sizes`) add up to at most `numel` elements.
+    # The leading units of `units` to gather ahead: DeepSpeed's rule (`PartitionedParameterCoordinator`'s prefetch
+    # loop takes the next parameter while the elements it has taken are fewer than the bucket, so the last one may
+    # cross it), with whole units for parameters. A unit larger than `numel` on its own is never taken (nor any after
+    # it): DeepSpeed would take only some of its parameters, and a whole 7B layer ahead is 0.2B elements more held.
     out, total = [], 0
     for unit in units:
-        total += sizes[unit]
-        if total > numel:
+        if total >= numel or sizes[unit] > numel:
             break
         out.append(unit)
+        total += sizes[unit]
     return out
 
 
@@ -325,9 +328,10 @@ def _set_prefetch(
     FSDP2's own (implicit) prefetch overlaps a gather with compute only on a GPU, where the all-gather runs on
     its own stream; on a CPU it issues the gather synchronously (`async_op=False`, no streams), so it overlaps
     nothing. Here each unit names the units to gather ahead of it, forward (`set_modules_to_forward_prefetch`) and,
-    when blocks are resharded after forward, backward (`set_modules_to_backward_prefetch`): as many units as fit
-    in `plan.prefetch_numel` elements. On a CPU the gathers are then issued asynchronously (gloo runs them in its
-    own thread while this one computes). A unit too large for the budget is not prefetched: on a CPU nothing is
+    when blocks are resharded after forward, backward (`set_modules_to_backward_prefetch`): the next units while
+    fewer than `plan.prefetch_numel` elements are taken (DeepSpeed's rule: the last may cross it; `_ahead`). On a
+    CPU the gathers are then issued asynchronously (gloo runs them in its own thread while this one computes). A
+    unit larger than the budget is not prefetched: on a CPU nothing is
     gathered early (one 7B Llama layer's INT4 codes: ~110 MiB more held at once), on a GPU FSDP2's implicit
     stream prefetch stays.
 

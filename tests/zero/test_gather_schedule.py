@@ -14,7 +14,7 @@ from _dist import run_ranks
 from _tiny import batch, full_params, gpt2, make_optimizer, quiet, train_engine, zero_config
 from torch import nn
 
-from ds_plugin.zero.apply import _kept_blocks
+from ds_plugin.zero.apply import _ahead, _kept_blocks
 from ds_plugin.zero.plan import resolve_plan
 from ds_plugin.zero.wrap import find_blocks
 
@@ -171,3 +171,17 @@ def test_blocks_kept_gathered_follow_deepspeeds_reuse_distance():
     # Stage 2 keeps every block gathered by itself; there is nothing to choose.
     plan2 = resolve_plan({"zero_optimization": {"stage": 2}}, world_size=2)
     assert _kept_blocks(gpt2_124m, find_blocks(gpt2_124m), plan2) == set()
+
+
+def test_prefetch_takes_units_while_below_the_budget():
+    # DeepSpeed's prefetch loop takes the next parameter while what it has taken is below the bucket, so the last
+    # one may cross it; whole units here, and a unit larger than the bucket on its own is never taken.
+    def ahead(sizes: list[int], budget: int) -> list[int]:
+        units = [nn.Identity() for _ in sizes]
+        taken = _ahead(units, dict(zip(units, sizes, strict=True)), budget)
+        return [sizes[units.index(u)] for u in taken]
+
+    assert ahead([33, 33, 33], 50) == [33, 33]  # 33 < 50: the second is taken and crosses the budget
+    assert ahead([30, 20, 5], 50) == [30, 20]  # 50 reached: nothing more
+    assert ahead([10, 60, 5], 50) == [10]  # larger than the budget on its own: neither it nor what follows
+    assert ahead([5, 5], 0) == []  # budget 0: prefetching off
