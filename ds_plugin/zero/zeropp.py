@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -223,8 +222,9 @@ class _Gathering:
     def __init__(self, codes: Tensor, scales: Tensor, group: dist.ProcessGroup) -> None:
         self.size = dist.get_world_size(group)
         self.dtypes = (codes.dtype, scales.dtype)
-        self.sent = _bundle(codes, scales)  # alive until the gather lands (the work holds it too)
         self.split = codes.numel() * codes.element_size()
+        self.sent = codes.new_empty(self.split + scales.numel() * scales.element_size(), dtype=torch.uint8)
+        _bundle_into(self.sent, codes, scales)  # alive until the gather lands (the work holds it too)
         self.gathered = self.sent.new_empty(self.size * self.sent.numel())
         self.work = _all_gather(self.gathered, self.sent, group, async_op=True)
 
@@ -236,9 +236,11 @@ class _Gathering:
         return codes, rows[:, self.split :].contiguous().view(self.dtypes[1]).view(-1)
 
 
-def _bundle(codes: Tensor, scales: Tensor) -> Tensor:
-    """The bytes of ``codes`` then those of ``scales``, in one flat uint8 buffer."""
-    return torch.cat((codes.reshape(-1).view(torch.uint8), scales.reshape(-1).view(torch.uint8)))
+def _bundle_into(buffer: Tensor, codes: Tensor, scales: Tensor) -> None:
+    """Write the bytes of ``codes`` (int8 / uint8, any strides) then those of ``scales`` into flat uint8 ``buffer``."""
+    split = codes.numel()
+    buffer[:split].view(codes.dtype).view(codes.shape).copy_(codes)
+    buffer[split:].copy_(scales.reshape(-1).view(torch.uint8))
 
 
 def _land(flights: list[_Gathering], levels: tuple):
@@ -379,13 +381,13 @@ class _Exchange:
             return
         others = [i for i in range(self.peers) if i != self.me]
         # One row of bytes per destination, its packed codes then its scales (one collective, as `_Gathering`).
-        self.packed_shape = (*chunks.shape[1:-1], -(-chunks.shape[-1] // 2))
-        self.split = math.prod(self.packed_shape)
-        rows = {i: _bundle(*quantize_rows(chunks[i], block, 4, compiled=compiled)) for i in others}
-        send = chunks.new_empty((self.peers, rows[others[0]].numel()), dtype=torch.uint8)
+        rows = {i: quantize_rows(chunks[i], block, 4, compiled=compiled) for i in others}
+        codes, scales = rows[others[0]]
+        self.packed_shape, self.split = codes.shape, codes.numel()
+        send = chunks.new_empty((self.peers, self.split + scales.numel() * scales.element_size()), dtype=torch.uint8)
         send[self.me].zero_()
-        for i, row in rows.items():
-            send[i].copy_(row)
+        for i, (codes, scales) in rows.items():
+            _bundle_into(send[i], codes, scales)
         self.received = torch.empty_like(send)
         self.sent = send  # the work holds it too; kept here so its lifetime is plain to see
         self.work = dist.all_to_all_single(self.received, send, group=group, async_op=True)

@@ -159,10 +159,11 @@ def dequantize_sum_rows(
     compiled = use_compiled(own) if compiled is None else compiled
     grid = as_blocks(packed, block // 2)
     own_blocks = as_blocks(own, block)
-    if compiled and numel % block == 0:
+    own_words = _as_words(own_blocks) if compiled and numel % block == 0 else None
+    if own_words is not None:
         result = torch.empty(own.shape, dtype=torch.float32, device=own.device) if out is None else out
-        own_words, out_words = _as_words(own_blocks), _as_words(result.unflatten(-1, (-1, block)))
-        if own_words is not None and out_words is not None:
+        out_words = _as_words(result.unflatten(-1, (-1, block)))
+        if out_words is not None:
             _compiled(_dequantize_sum_words)(out_words, grid, scales, own_words, me)
             return result
     total = _pick(_dequantize_sum_blocks, own, compiled)(grid, scales, own_blocks, me).flatten(-2)[..., :numel]
