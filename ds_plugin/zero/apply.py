@@ -31,7 +31,7 @@ from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, q
 from ds_plugin.quant.frozen.tensor import QuantizedWeight
 from ds_plugin.runtime.host_memory import release_freed_host_memory, reuse_freed_host_memory, warn_thread_cache
 from ds_plugin.zero.generation import held_gathered
-from ds_plugin.zero.gloo_comm import AllReduceScatter, InFlightReductions, RingAllGather
+from ds_plugin.zero.gloo_comm import AllReduceScatter, BufferPool, InFlightReductions, RingAllGather
 from ds_plugin.zero.mesh import ZeroSetupError, data_parallel_mesh, mesh_device, torch_dtype
 from ds_plugin.zero.plan import ZeroPlan, plan_for
 from ds_plugin.zero.stage1 import ReplicatedState, replicated_state
@@ -276,11 +276,13 @@ def _free_without_backward(block: nn.Module, args: Any, output: Any) -> None:
         block.reshard()
 
 
-def _gloo_collectives(model: nn.Module) -> None:
+def _gloo_collectives(model: nn.Module, reuse_buffers: bool) -> None:
     # FSDP2 on gloo: every unit's gradient reduction lands while the next unit's backward runs, and reductions and
     # all-gathers go round a ring of sends and receives, faster than gloo's own (see `gloo_comm`). Where ZeRO++
-    # installed qwZ / qgZ (before this), they stay; qgZ's reductions land through the same queue.
+    # installed qwZ / qgZ (before this), they stay; qgZ's reductions land through the same queue. With host memory
+    # reuse, the reductions' input buffers are kept for the next step (`BufferPool`).
     in_flight = InFlightReductions()
+    pool = BufferPool(keep=in_flight.depth + 1) if reuse_buffers else None
     gather = RingAllGather()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     owner: dict[int, tuple[nn.Module, nn.Parameter]] = {}
@@ -293,6 +295,7 @@ def _gloo_collectives(model: nn.Module) -> None:
             gradients = AllReduceScatter()
             unit.set_custom_reduce_scatter(gradients)
         gradients.overlap(own, in_flight)
+        gradients.pool = pool
         if weights is None:
             unit.set_custom_all_gather(gather)
 
@@ -548,7 +551,7 @@ def apply_plan(
             ranks_per_node=plan.ranks_per_node,
         )
         if mesh.device_type == "cpu":
-            _gloo_collectives(model)
+            _gloo_collectives(model, plan.host_memory_reuse)
     else:
         _replicate(model, plan, mesh)
     if mesh.get_local_rank() == 0:

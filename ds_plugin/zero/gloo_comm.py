@@ -34,6 +34,7 @@ from ds_plugin.zero.cma import ring_link
 
 __all__ = [
     "AllReduceScatter",
+    "BufferPool",
     "CommBuffers",
     "DeferredWork",
     "InFlightReductions",
@@ -145,10 +146,41 @@ def ring_reduce_scatter(input_tensor: Tensor, group: dist.ProcessGroup, async_op
 
 
 class CommBuffers:
-    """FSDP2's custom-collective protocol also asks the comm object for its buffers: plain `torch.empty`."""
+    """FSDP2's custom-collective protocol also asks the comm object for its buffers: plain `torch.empty`, or a
+    buffer handed back to `pool` (when one is set) by a reduction that no longer needs it."""
+
+    pool: BufferPool | None = None
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        if self.pool is not None:
+            return self.pool.take(tuple(size), dtype, device)
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class BufferPool:
+    """Gradient reduction inputs kept for the next step: a unit's reduce-scatter input (its whole unsharded
+    gradient) is handed back once its reduction has landed, and the next request of the same shape takes it.
+
+    A fresh buffer of that size comes from newly mapped memory whenever the heap has no free run that large (the
+    previous unit's is still in flight then), and its first write page-faults through all of it: on `ds-plugin bench
+    slow-link`'s 2-block model that cost a rank up to 4k page faults a step (~4 ms of the backward). At most `keep`
+    buffers are kept per shape: as many as are in flight at once (`InFlightReductions.depth` + 1).
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: dict[tuple, list[Tensor]] = collections.defaultdict(list)
+
+    def take(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A buffer of this shape: a kept one, else a new one."""
+        free = self._free.get((size, dtype, torch.device(device)))
+        return free.pop() if free else torch.empty(*size, dtype=dtype, device=device)
+
+    def give(self, buffer: Tensor) -> None:
+        """Hand back a buffer nothing reads or writes any more."""
+        free = self._free[(tuple(buffer.shape), buffer.dtype, buffer.device)]
+        if len(free) < self.keep and buffer._base is None:
+            free.append(buffer)
 
 
 class RingAllGather(CommBuffers):
@@ -230,7 +262,8 @@ class AllReduceScatter(CommBuffers):
             or op != dist.ReduceOp.AVG
             or any(p.grad is not None or getattr(p, "_post_accumulate_grad_hooks", None) for p in self._params)
         ):
-            _reduced_into(output_tensor, finish(), op, world, output_tensor.dtype)
+            _complete_into(output_tensor, finish, op, world, output_tensor.dtype)
+            self._hand_back(input_tensor)
             return None
         # FSDP2 goes on at once: it casts the output to the parameters' dtype when that differs (bf16 gradients of
         # fp32 master weights) and views the gradients into the result, so the landing writes there instead.
@@ -240,10 +273,16 @@ class AllReduceScatter(CommBuffers):
             into = self._cast_buffer(output_tensor.numel()) if cast else output_tensor
             # Rounded to the reduction's dtype first, as FSDP2's own cast of the output would see it (qgZ sums in
             # fp32; the ring already sums in that dtype).
-            _reduced_into(into, finish(), op, world, output_tensor.dtype)
+            _complete_into(into, finish, op, world, output_tensor.dtype)
+            self._hand_back(input_tensor)
 
         self._in_flight.add(land)
         return None
+
+    def _hand_back(self, input_tensor: Tensor) -> None:
+        # The reduction has landed: nothing reads its input (FSDP2's staging buffer) any more.
+        if self.pool is not None:
+            self.pool.give(input_tensor)
 
     def _sums(self, input_tensor: Tensor, op) -> bool:
         """Whether this reduction computes the sum itself (`_start`), else `_plain` takes it."""
@@ -254,7 +293,10 @@ class AllReduceScatter(CommBuffers):
         return fn(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     def _start(self, input_tensor: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
-        """Put the reduction on the wire; the returned call waits for it and gives this rank's chunk of the sum."""
+        """Put the reduction on the wire; the returned call waits for it and gives this rank's chunk of the sum.
+
+        The call may also have an ``into(out, op, world, dtype)`` method that lands the sum straight into `out` as
+        `_reduced_into` would (qgZ's, piece by piece as the pieces arrive); landing then uses it."""
         mine, work = ring_reduce_scatter(input_tensor, group, async_op=True)
 
         def finish() -> Tensor:
@@ -275,6 +317,15 @@ class AllReduceScatter(CommBuffers):
             f"FSDP2 reduce-scatter is not the one ds_plugin was built against (torch {torch.__version__}); "
             "use torch 2.11-2.13"
         )
+
+
+def _complete_into(out: Tensor, finish: Callable[[], Tensor], op, world: int, dtype: torch.dtype) -> None:
+    # Completes a reduction `_start` began and writes this rank's chunk into `out` (`_reduced_into`).
+    into = getattr(finish, "into", None)
+    if into is not None:
+        into(out, op, world, dtype)
+    else:
+        _reduced_into(out, finish(), op, world, dtype)
 
 
 def _reduced_into(out: Tensor, mine: Tensor, op, world: int, dtype: torch.dtype) -> None:

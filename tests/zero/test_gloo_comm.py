@@ -3,7 +3,8 @@
 Stages 2/3: each unit's reduction lands while the next unit's backward runs, and no run changes a number against
 landing at once (fp32; bf16, whose reduced chunk FSDP2 casts to the fp32 master's dtype; two backwards per step;
 fp16, which FSDP2 divides itself and so is never parked; qgZ's quantized reduction, which lands the same way). On
-one host reductions and gathers go round a ring of sends and receives: gathers bit for bit gloo's own (in place as
+one host reductions and gathers go round a ring of sends and receives, and a landed reduction's input buffer is taken
+again by a later one (same numbers as new buffers): gathers bit for bit gloo's own (in place as
 FSDP2 calls it, -0.0 and NaN payloads), sums equal to gloo's, on 2 ranks (one step) and on 3 (two steps, several
 rings in flight at once); and the engine trains to the same numbers with gloo's own collectives in the rings'
 place (stages 1-3).
@@ -34,11 +35,21 @@ def _overlap(rank: int, world: int) -> dict:
         seen["early"] += len(self._pending) >= self.depth  # the previous unit's reduction lands here
         real_add(self, land)
 
-    def run(stage: int, dtype: str, backwards: int = 1, *, overlap: bool = True, **zero) -> tuple:
+    real_take, kept = gloo_comm.BufferPool.take, {"taken": 0}
+
+    def counting_take(self, size, dtype, device):
+        kept["taken"] += bool(self._free.get((size, dtype, torch.device(device))))
+        return real_take(self, size, dtype, device)
+
+    gloo_comm.BufferPool.take = counting_take
+
+    def run(stage: int, dtype: str, backwards: int = 1, *, overlap: bool = True, pool: bool = True, **zero) -> tuple:
         engine = initialize(gpt2(), zero_config(stage, dtype=dtype, **zero), make_optimizer("adamw"))
         comms = _reduce_scatters(engine.module)
         for comm in comms if not overlap else ():
             comm._in_flight = None  # every reduction lands before FSDP2 goes on
+        for comm in comms if not pool else ():
+            comm.pool = None  # every reduction input a new buffer
         losses, x = [], batch(0, rank, world)  # one batch, so the loss must fall
         for _ in range(3):
             for _ in range(backwards):
@@ -78,6 +89,15 @@ def _overlap(rank: int, world: int) -> dict:
             ran[0],
         )
     out["qgz collectives"] = overlapped["qgz", "bf16"][2]
+    # Reduction inputs handed back once landed and taken again by later reductions (host memory reuse is on by
+    # default on CPU): the same numbers as with a new buffer for every reduction.
+    kept["taken"] = 0
+    again = run(3, "bf16")
+    out["pool reused"] = kept["taken"]
+    out["pool same"] = _same(again, run(3, "bf16", pool=False)) and _same(
+        overlapped["qgz", "bf16"], run(3, "bf16", pool=False, **qgz)
+    )
+    gloo_comm.BufferPool.take = real_take
     # gloo's own reduce-scatter and all-gather in the rings' place: stages 2/3, and stage 1's buckets (no FSDP2).
     overlapped[1, "fp32"] = run(1, "fp32")
     with _gloos_own_collectives():
@@ -258,6 +278,8 @@ def test_gradient_reductions_overlap_backward_and_change_no_number(two_ranks):
             for dtype in ("torch.float32", "torch.bfloat16"):
                 assert ring[transport, dtype] == (True, True), (transport, dtype)
         assert r["qgz collectives"] == ["QuantizedReduceScatter"]  # qgZ kept its place, and overlapped (below)
+        # 3 steps x 3 units: every reduction after the first step's first two took a handed-back input.
+        assert r["pool reused"] >= 3 * 3 - 3 and r["pool same"], (r["pool reused"], r["pool same"])
         # gloo's reduce-scatter and all-gather in the rings' place: the same numbers.
         assert r["gloo", 1] and r["gloo", 2] and r["gloo", 3]
         for (stage, dtype, backwards), (same, counts, losses) in (

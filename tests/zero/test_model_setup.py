@@ -113,6 +113,11 @@ def test_clip_grad_norm_single_process_matches_torch():
     assert torch.allclose(got, want)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.allclose(pa.grad, pb.grad)
+    # A norm under the limit: nothing is scaled (torch multiplies by 1.0; the same bits either way).
+    before = [p.grad.clone() for p in b.parameters()]
+    assert torch.allclose(clip_grad_norm_(list(b.parameters()), 1e3), nn.utils.clip_grad_norm_(a.parameters(), 1e3))
+    for pa, pb, old in zip(a.parameters(), b.parameters(), before, strict=True):
+        assert torch.equal(pb.grad, old) and torch.equal(pa.grad, pb.grad)
 
 
 def test_stepped_optimizer_cannot_be_rebuilt():

@@ -140,8 +140,14 @@ def dequantize_sum_rows(
     *,
     compiled: bool | None = None,
     out: Tensor | None = None,
+    divide: int = 1,
+    round_to: torch.dtype = torch.float32,
 ) -> Tensor:
     """fp32 sum of the INT4 rows of every peer, with peer ``me``'s replaced by this rank's exact values.
+
+    With `divide` and `round_to`, the result is ``(sum / divide)`` rounded to `round_to` (then widened back to
+    fp32): an averaged reduction's output in its dtype, as ``total.div_(divide).to(round_to)`` gives it, in the same
+    pass that decodes (the compiled word form), not in two more over the whole result.
 
     Args:
         packed: uint8, ``(peers, ..., ceil(numel / 2))``, as :func:`quantize_rows` packs ``(..., numel)`` rows.
@@ -151,6 +157,8 @@ def dequantize_sum_rows(
         block: the block size used to quantize (even).
         compiled: as for :func:`quantize_rows`.
         out: fp32, ``own``'s shape: written and returned (else a new tensor is returned, possibly a view).
+        divide: divide the sum by this (1: the sum itself).
+        round_to: round the (divided) sum to this dtype: fp32 (as is), bf16 or fp16.
 
     Returns:
         fp32, ``(..., numel)``.
@@ -160,14 +168,19 @@ def dequantize_sum_rows(
     grid = as_blocks(packed, block // 2)
     own_blocks = as_blocks(own, block)
     own_words = _as_words(own_blocks) if compiled and numel % block == 0 else None
-    if own_words is not None:
+    if own_words is not None and round_to in (torch.float32, torch.bfloat16):
         result = torch.empty(own.shape, dtype=torch.float32, device=own.device) if out is None else out
         out_words = _as_words(result.unflatten(-1, (-1, block)))
         if out_words is not None:
-            _compiled(_dequantize_sum_words)(out_words, grid, scales, own_words, me)
+            bf16 = round_to == torch.bfloat16
+            _compiled(_dequantize_sum_words)(out_words, grid, scales, own_words, me, divide, bf16)
             return result
     total = _pick(_dequantize_sum_blocks, own, compiled)(grid, scales, own_blocks, me).flatten(-2)[..., :numel]
-    return total if out is None else out.copy_(total)
+    if divide != 1:
+        total = total / divide
+    if round_to != torch.float32:
+        total = total.to(round_to)
+    return total.float() if out is None else out.copy_(total)
 
 
 def compile_report() -> dict[str, object]:
@@ -202,6 +215,11 @@ _STATIC_DIMS = {
     "_dequantize_sum_blocks": ((0, (0, -1)), (2, (-1,))),
     "_dequantize_sum_words": ((0, (-1,)), (1, (0, -1)), (3, (-1,))),
 }
+
+
+# Inductor options per step. By default inductor drops a rounding cast inside a kernel (fp32 -> bf16 -> fp32 is
+# compiled as nothing); the averaged sum's rounding to the reduction's dtype must happen as eager does it.
+_COMPILE_OPTIONS = {"_dequantize_sum_words": {"emulate_precision_casts": True}}
 
 
 def _quantize_blocks(blocks: Tensor, bits: int, cap: float) -> tuple[Tensor, Tensor]:
@@ -272,8 +290,12 @@ def _quantize_int4_words(words: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     return pack_nibbles(low, high), sent_scales(scales, nonfinite, torch.bfloat16)
 
 
-def _dequantize_sum_words(out: Tensor, packed: Tensor, scales: Tensor, own: Tensor, me: int) -> None:
-    # `_dequantize_sum_blocks` on element pairs, written into `out`'s int64 words (two fp32 each).
+def _dequantize_sum_words(
+    out: Tensor, packed: Tensor, scales: Tensor, own: Tensor, me: int, divide: int, bf16: bool
+) -> None:
+    # `_dequantize_sum_blocks` on element pairs, written into `out`'s int64 words (two fp32 each); divided by
+    # `divide` and rounded to bf16 on the way when asked (`dequantize_sum_rows`). Inductor keeps CPU division a
+    # division (no reciprocal: torch/_inductor/lowering.py `div_prim`), so the bits are eager's.
     scale = scales.float().view(*packed.shape[:-1], 1)
     even = odd = None
     for i in range(packed.shape[0]):
@@ -283,6 +305,10 @@ def _dequantize_sum_words(out: Tensor, packed: Tensor, scales: Tensor, own: Tens
             low, high = int4_nibbles(packed[i])
             e, o = low.float() * scale[i], high.float() * scale[i]
         even, odd = (e, o) if even is None else (even + e, odd + o)
+    if divide != 1:
+        even, odd = even / divide, odd / divide
+    if bf16:
+        even, odd = even.to(torch.bfloat16).float(), odd.to(torch.bfloat16).float()
     low_bits = even.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     out.copy_(low_bits | (odd.view(torch.int32).to(torch.int64) << 32))
 
@@ -310,7 +336,7 @@ def use_compiled(t: Tensor) -> bool:
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     # dynamic=True: one graph serves every bucket size instead of a recompile per shape.
-    compiled = torch.compile(fn, dynamic=True)
+    compiled = torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS.get(fn.__name__))
 
     @functools.wraps(fn)
     def run(*args):

@@ -100,6 +100,16 @@ def test_dequantize_sum_rows_equals_reference(dtype, compiled):
                 assert result.dtype == torch.float32
                 assert torch.equal(result.isnan(), want.isnan())
                 assert torch.equal(result.nan_to_num(), want.nan_to_num()), (n, numel, block, me)
+            # An averaged reduction's output (qgZ's landing): divided and rounded while decoding, the same bits as
+            # dividing and rounding the sum afterwards; 3 does not divide exactly.
+            for divide, round_to in ((n, torch.bfloat16), (3, torch.bfloat16), (3, torch.float32), (2, torch.float16)):
+                averaged = fused.dequantize_sum_rows(
+                    packed.contiguous(), scales, x[me], me, block, compiled=compiled, out=torch.empty(numel),
+                    divide=divide, round_to=round_to,
+                )  # fmt: skip
+                expect = (want / divide).to(round_to).float()
+                assert torch.equal(averaged.isnan(), expect.isnan())
+                assert torch.equal(averaged.nan_to_num(), expect.nan_to_num()), (n, numel, block, me, divide, round_to)
     if compiled:  # whole blocks took the pair-word form
         assert fused._dequantize_sum_words in fused._COMPILED_RUNS
 
