@@ -217,11 +217,6 @@ _STATIC_DIMS = {
 }
 
 
-# Inductor options per step. By default inductor drops a rounding cast inside a kernel (fp32 -> bf16 -> fp32 is
-# compiled as nothing); the averaged sum's rounding to the reduction's dtype must happen as eager does it.
-_COMPILE_OPTIONS = {"_dequantize_sum_words": {"emulate_precision_casts": True}}
-
-
 def _quantize_blocks(blocks: Tensor, bits: int, cap: float) -> tuple[Tensor, Tensor]:
     # Scales travel as bf16 (rounded up, so codes never clip): with the small qgZ blocks that INT4 needs to train
     # like ZeRO-3, fp32 scales would add 12.5% to the gradient bytes; bf16 scales add 6%.
@@ -295,7 +290,7 @@ def _dequantize_sum_words(
 ) -> None:
     # `_dequantize_sum_blocks` on element pairs, written into `out`'s int64 words (two fp32 each); divided by
     # `divide` and rounded to bf16 on the way when asked (`dequantize_sum_rows`). Inductor keeps CPU division a
-    # division (no reciprocal: torch/_inductor/lowering.py `div_prim`), so the bits are eager's.
+    # division (no reciprocal: torch/_inductor/lowering.py `div_prim`, torch 2.11 and 2.13), so the bits are eager's.
     scale = scales.float().view(*packed.shape[:-1], 1)
     even = odd = None
     for i in range(packed.shape[0]):
@@ -307,10 +302,21 @@ def _dequantize_sum_words(
         even, odd = (e, o) if even is None else (even + e, odd + o)
     if divide != 1:
         even, odd = even / divide, odd / divide
-    if bf16:
-        even, odd = even.to(torch.bfloat16).float(), odd.to(torch.bfloat16).float()
-    low_bits = even.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    out.copy_(low_bits | (odd.view(torch.int32).to(torch.int64) << 32))
+    even_bits, odd_bits = (
+        (_bf16_bits(even), _bf16_bits(odd)) if bf16 else (even.view(torch.int32), odd.view(torch.int32))
+    )
+    low_bits = even_bits.to(torch.int64) & 0xFFFFFFFF
+    out.copy_(low_bits | (odd_bits.to(torch.int64) << 32))
+
+
+def _bf16_bits(x: Tensor) -> Tensor:
+    # fp32 `x` rounded to bf16 (to nearest, ties to even, as `.to(torch.bfloat16)`), as the int32 bits of its fp32
+    # value. In integers: compiled, inductor would drop `x.to(torch.bfloat16).float()` as a no-op (torch 2.13 keeps it
+    # only with `emulate_precision_casts`, 2.11 not even then). Infinities and overflow to infinity come out as the
+    # cast gives them; a nan stays a nan (its payload is not canonicalised).
+    bits = x.view(torch.int32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return torch.where(x != x, bits, rounded)
 
 
 def _pick(fn: Callable, t: Tensor, compiled: bool | None) -> Callable:
@@ -336,7 +342,7 @@ def use_compiled(t: Tensor) -> bool:
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     # dynamic=True: one graph serves every bucket size instead of a recompile per shape.
-    compiled = torch.compile(fn, dynamic=True, options=_COMPILE_OPTIONS.get(fn.__name__))
+    compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
     def run(*args):

@@ -161,3 +161,21 @@ def test_compile_report_names_the_steps_that_ran_compiled():
     report = fused.compile_report()
     assert "_quantize_blocks" in report["compiled_steps"]
     assert report["compile_failed"] == [] and report["compile_min_numel"] == fused.COMPILE_MIN_NUMEL
+
+
+@pytest.mark.parametrize("compiled", MODES)
+def test_bf16_rounding_in_integers_matches_the_cast(compiled):
+    # qgZ's averaged landing rounds to bf16 with integer ops (inductor drops a float round trip): ties to even,
+    # overflow to infinity, signed zeros, subnormals, infinities as `.to(torch.bfloat16)`; nan stays nan.
+    one = 1.0 + 2.0**-8  # exactly halfway between two bf16 values: rounds down to the even one
+    big = torch.finfo(torch.float32).max  # above bf16's largest finite value by more than half a step
+    special = [0.0, -0.0, one, 1.0 + 3 * 2.0**-8, -one, big, -big, 1e-40, -1e-40, 1e-45]
+    x = torch.cat([torch.tensor(special), torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 1e3])
+    x = torch.cat([x, torch.tensor([float("inf"), float("-inf"), float("nan")])])
+    fn = torch.compile(fused._bf16_bits, dynamic=True) if compiled else fused._bf16_bits
+    got = fn(x).view(torch.float32)
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))
+    assert got[5].item() == float("inf") and got[6].item() == float("-inf") and got[2].item() == 1.0  # overflow, tie
