@@ -7,12 +7,12 @@ runs what it names, `long` or not. Under pytest-xdist (`-n N`) each worker takes
 threads.
 
 `release` marks the tests of what can differ between torch and framework releases: FSDP2's extension points (custom
-all-gathers, `fsdp_pre/post_all_gather`), DCP, the functional collectives, the Triton interpreter, the Lightning,
-Accelerate and HF Trainer/trl adapters, and checkpoints. CI's second stack (an older torch on a newer Python) runs
-only these: `python -m pytest -q -m release`. The mark comes from where a test lives (`RELEASE_DIRS`,
-`RELEASE_FILES`, checkpoint file names), so a new file there is covered without a decorator; a test elsewhere that
-leans on such an API says so with `@pytest.mark.release`. A `long` test is never `release`: the second stack does not
-repeat the minutes-long runs.
+all-gathers, `fsdp_pre/post_all_gather`), DCP, the functional collectives, inductor's CPU code (the compiled
+quantizer steps, whose bits it decides), the Triton interpreter, the Lightning, Accelerate and HF Trainer/trl
+adapters, and checkpoints. CI's second stack (an older torch on a newer Python) runs only these: `python -m pytest
+-q -m release`. The mark comes from where a test lives (`RELEASE_DIRS`, `RELEASE_FILES`, checkpoint file names), so
+a new file there is covered without a decorator; a test elsewhere that leans on such an API says so with
+`@pytest.mark.release`. A `long` test is never `release`: the second stack does not repeat the minutes-long runs.
 
 `gpu` tests run with strict kernels (`DS_PLUGIN_STRICT_KERNELS=1`): a Triton kernel that fails to launch is an
 error there, never a silent fallback to the torch reference that the test would then pass on.
@@ -43,6 +43,7 @@ RELEASE_FILES = (
     "zero/test_engine_features.py",  # FSDP2 state dicts and optimizer state across stages
     "zero/test_gather_schedule.py",  # prefetch lists, kept blocks (post_forward_mesh_info), FSDP2's param groups
     "zero/test_gloo_comm.py",  # FSDP2 custom collectives on gloo, FSDP2's cast buffer
+    "quant/comm/test_fused.py",  # the compiled quantizer steps, bit for bit: inductor's code generation differs
 )
 # Any test file whose name holds one of these is `release`, wherever it lives (checkpoint save/load over DCP).
 RELEASE_NAME_WORDS = ("checkpoint", "resume")
