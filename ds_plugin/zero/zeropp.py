@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ds_plugin.quant.comm.dispatch import dequantize_rows_into, dequantize_sum_rows, quantize_rows, use_compiled
 from ds_plugin.runtime.comms_logger import record_collective
 from ds_plugin.zero.cma import ring_link
-from ds_plugin.zero.gloo_comm import AllReduceScatter, CommBuffers, DeferredWork, _reduced_into, ring
+from ds_plugin.zero.gloo_comm import AllReduceScatter, CommBuffers, DeferredWork, ring
 
 __all__ = [
     "QuantizedAllGather",
@@ -369,21 +369,23 @@ class _Landing:
         return total
 
     def into(self, out: Tensor, op, world: int, dtype: torch.dtype) -> None:
-        """Land each piece straight into its slice of `out`, averaged and rounded as `_reduced_into` does the
-        whole: that work then runs while later pieces are still on the wire, not all after the last one lands (on
-        `bench slow-link`'s 2-block model, ~10 ms of a step's backward per rank), and no fp32 sum the size of the
-        chunk is allocated. Same numbers: every step is elementwise."""
+        """Land each piece straight into its slice of `out` as `gloo_comm._reduced_into` lands a whole sum (divided
+        by `world` for AVG, rounded to `dtype`), the division and rounding done while decoding: that work runs while
+        later pieces are still on the wire, not after the last one lands (on `bench slow-link`'s 2-block model, ~10 ms
+        of a step's backward per rank), and no fp32 sum the size of the chunk is allocated. Same numbers: every step
+        is elementwise. `out` not fp32 (bf16 gradients of bf16 weights) takes each rounded piece through a scratch."""
         flat = out.view(-1)
-        if op == dist.ReduceOp.AVG and out.dtype == torch.float32 and dtype in _FLOATS:
-            # fp32 gradients of an averaged reduction (FSDP2's cast buffer for fp32 master weights): the decoding
-            # divides and rounds as it writes.
-            for (start, end), exchange in zip(self.pieces, self.hop2, strict=True):
-                exchange.sum(out=flat[start:end], divide=world, round_to=dtype)
-            return
-        scratch = torch.empty(max(end - start for start, end in self.pieces), dtype=torch.float32, device=self.device)
+        divide = world if op == dist.ReduceOp.AVG else 1
+        scratch = None
+        if out.dtype != torch.float32:
+            scratch = torch.empty(
+                max(end - start for start, end in self.pieces), dtype=torch.float32, device=out.device
+            )
         for (start, end), exchange in zip(self.pieces, self.hop2, strict=True):
-            part = exchange.sum(out=scratch[: end - start])
-            _reduced_into(flat[start:end], part, op, world, dtype)
+            into = flat[start:end] if scratch is None else scratch[: end - start]
+            exchange.sum(out=into, divide=divide, round_to=dtype)
+            if scratch is not None:
+                flat[start:end].copy_(into)  # exact: already rounded to `dtype`, `out`'s dtype
 
 
 class _Exchange:
