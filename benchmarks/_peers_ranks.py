@@ -88,7 +88,7 @@ def _torch_step(model: torch.nn.Module, *, autocast: bool) -> Callable[[torch.Te
 
 
 def _ds_plugin_step(
-    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool, chunked_loss: bool
+    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool, chunked_loss: bool, blocked_logits: bool
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     import ds_plugin
 
@@ -98,12 +98,20 @@ def _ds_plugin_step(
         "gradient_clipping": 0.0,
         "host_memory_reuse": reuse,
         "chunked_loss": chunked_loss,
+        "blocked_logits": blocked_logits,
     }
     return engine_step(ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR)))
 
 
 def _make_step(
-    name: str, dtype: str, model: torch.nn.Module, rank: int, world: int, reuse: bool, chunked_loss: bool = True
+    name: str,
+    dtype: str,
+    model: torch.nn.Module,
+    rank: int,
+    world: int,
+    reuse: bool,
+    chunked_loss: bool = True,
+    blocked_logits: bool = True,
 ):
     bf16 = dtype == "bf16"
     if name == "ddp":
@@ -111,7 +119,7 @@ def _make_step(
     if name == "fsdp2":
         return _fsdp2_step(model, bf16)
     if name.startswith("ds_plugin_zero"):
-        return _ds_plugin_step(model, int(name[-1]), bf16, reuse, chunked_loss)
+        return _ds_plugin_step(model, int(name[-1]), bf16, reuse, chunked_loss, blocked_logits)
     if name.startswith("deepspeed_zero"):
         from benchmarks._deepspeed_peer import make_deepspeed_step
 
@@ -144,6 +152,7 @@ def rank_run(
     reuse: bool,
     size: str = "16m",
     chunked_loss: bool = True,
+    blocked_logits: bool = True,
 ) -> dict[str, Any]:
     """`warmup` + `steps` training steps of config `name` (a member of NAMES); per-step times, peak RSS, loss."""
     import torch.distributed as dist
@@ -159,7 +168,7 @@ def rank_run(
     model = _model(size)
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())  # before any wrapper shards or flattens them
-    step = _make_step(name, dtype, model, rank, world, reuse, chunked_loss)
+    step = _make_step(name, dtype, model, rank, world, reuse, chunked_loss, blocked_logits)
     times, cpu, loss = _timed(step, warmup + steps, rank, vocab)
     final = loss.detach().float().reshape(1).clone()
     dist.all_reduce(final)
@@ -174,8 +183,19 @@ def rank_run(
     }
 
 
-def floor_rank(rank: int, world: int, *, dtype: str, warmup: int, steps: int, size: str, chunked_loss: bool) -> float:
+def floor_rank(
+    rank: int,
+    world: int,
+    *,
+    dtype: str,
+    warmup: int,
+    steps: int,
+    size: str,
+    chunked_loss: bool,
+    blocked_logits: bool = True,
+) -> float:
     """Median seconds of the model's forward and backward alone (no wrapper, no communication, no optimizer)."""
+    from ds_plugin.kernels.blocked_logits import use_blocked_logits
     from ds_plugin.kernels.cross_entropy import use_chunked_loss
     from ds_plugin.runtime.host_memory import reuse_freed_host_memory
 
@@ -185,6 +205,8 @@ def floor_rank(rank: int, world: int, *, dtype: str, warmup: int, steps: int, si
         model.to(torch.bfloat16)  # the weights ds_plugin's bf16 runs compute with
     if chunked_loss:
         use_chunked_loss(model)
+    if blocked_logits:
+        use_blocked_logits(model)
 
     def forward_backward(x: torch.Tensor) -> None:
         model(x, labels=x).loss.backward()

@@ -8,7 +8,8 @@ torch.optim.AdamW, on 2 gloo ranks of one thread each, in bf16 and in fp32:
   bf16 = MixedPrecisionPolicy(param_dtype=bf16), which also reduces in bf16.
 - ds_plugin_zero1/2/3: `ds_plugin.initialize` with `"bf16": {"enabled": ...}` (bf16 compute and reduce); the
   loss through the engine's chunked cross-entropy, its default (`--chunked-loss off`: transformers' own, as the
-  others compute it).
+  others compute it); the output layer's logits in column blocks where faster on CPU, its default too
+  (`--blocked-logits off`: one matmul, as the others compute them).
 - deepspeed_zero1/2/3: DeepSpeed's engine with the same JSON keys, when `deepspeed` is importable.
 
 Each (config, dtype) runs in fresh processes, so peak RSS (`getrusage` maxrss, max over ranks) is its own.
@@ -19,8 +20,8 @@ repetition's median, the peak RSS, and the loss of the last step averaged over r
 speed and memory target (TARGETS) whose two sides both ran, per dtype, e.g. `zero3_vs_deepspeed_zero3_step_bf16`:
 {"ratio", "at_most", "met"}; and `fp32_final_loss`, every config's fp32 loss next to DDP's. `compute_floor`: per
 dtype, the median time of one micro-batch's forward and backward in one process alone (no communication, no
-optimizer step, ds_plugin's loss as `--chunked-loss` says): the part of every config's step that no framework can
-save, so a target below it cannot be met on that machine.
+optimizer step, ds_plugin's loss and logits as `--chunked-loss` and `--blocked-logits` say): the part of every
+config's step that no framework can save, so a target below it cannot be met on that machine.
 
 Scaling (`--sizes 16m 124m 350m --world-sizes 1 2 4`): the same comparison for each model size (see
 `benchmarks._peers_scaling` for the shapes and the per-size default warmup/steps) on each number of ranks. All
@@ -82,11 +83,12 @@ def _one_run(
     size: str,
     world: int,
     chunked_loss: bool = True,
+    blocked_logits: bool = True,
 ) -> dict[str, Any]:
     env = deepspeed_env() if name.startswith("deepspeed") else {}
     load = os.getloadavg()[0]
     kwargs = {"name": name, "dtype": dtype, "warmup": warmup, "steps": steps, "reuse": reuse, "size": size}
-    kwargs["chunked_loss"] = chunked_loss
+    kwargs.update(chunked_loss=chunked_loss, blocked_logits=blocked_logits)
     per_rank = run_ranks(rank_run, world, timeout=timeout, env=env, **kwargs)
     return {
         "step_times": [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)],
@@ -101,9 +103,12 @@ def _one_run(
 
 
 @functools.cache
-def _floor_seconds(dtype: str, warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool) -> float | str:
+def _floor_seconds(
+    dtype: str, warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool, blocked_logits: bool
+) -> float | str:
     # Cached: the floor does not depend on the world size, so a --world-sizes plan measures it once per size.
-    kwargs = {"dtype": dtype, "warmup": warmup, "steps": steps, "size": size, "chunked_loss": chunked_loss}
+    kwargs = {"dtype": dtype, "warmup": warmup, "steps": steps, "size": size}
+    kwargs.update(chunked_loss=chunked_loss, blocked_logits=blocked_logits)
     try:
         return round(run_ranks(floor_rank, 1, timeout=timeout, **kwargs)[0], 4)
     except RuntimeError as exc:
@@ -111,16 +116,17 @@ def _floor_seconds(dtype: str, warmup: int, steps: int, timeout: float, size: st
 
 
 def _compute_floor(
-    dtypes: list[str], warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool
+    dtypes: list[str], warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool, blocked_logits: bool
 ) -> dict[str, Any]:
     """Forward + backward of one rank's micro-batch in one process alone: what no framework's step can beat here."""
     floor: dict[str, Any] = {
         "what": "median s of forward+backward of one micro-batch in one process alone (one thread, host memory "
         "reuse, no communication, no optimizer step; bf16: bf16 weights), "
         + ("the chunked loss" if chunked_loss else "transformers' loss")
+        + (", the logits in column blocks where faster" if blocked_logits else ", the logits in one matmul")
     }
     for dtype in dtypes:
-        floor[dtype] = _floor_seconds(dtype, warmup, steps, timeout, size, chunked_loss)
+        floor[dtype] = _floor_seconds(dtype, warmup, steps, timeout, size, chunked_loss, blocked_logits)
     return floor
 
 
@@ -189,6 +195,7 @@ def run(
     size: str = "16m",
     world_size: int = WORLD,
     chunked_loss: bool = True,
+    blocked_logits: bool = True,
 ) -> dict[str, Any]:
     """Run every (config, dtype) `repeats` times in alternating order and return the report dict.
 
@@ -205,6 +212,8 @@ def run(
         world_size: gloo ranks per run, one thread each.
         chunked_loss: ds_plugin's runs compute the loss with the engine's chunked cross-entropy (its config's
             `chunked_loss`, on by default); DDP, FSDP2 and DeepSpeed compute transformers' own either way.
+        blocked_logits: ds_plugin's runs compute the output layer in column blocks where its first call measures
+            that faster (the config's `blocked_logits`, on by default); the others compute one matmul either way.
     """
     ds_version, ds_missing = deepspeed_version()
     combos = [(n, d) for n in names for d in dtypes]
@@ -222,7 +231,17 @@ def run(
                 continue
             try:
                 results[combo].append(
-                    _one_run(*combo, warmup, steps, timeout, host_memory_reuse, size, world_size, chunked_loss)
+                    _one_run(
+                        *combo,
+                        warmup,
+                        steps,
+                        timeout,
+                        host_memory_reuse,
+                        size,
+                        world_size,
+                        chunked_loss,
+                        blocked_logits,
+                    )
                 )
             except RuntimeError as exc:  # one peer failing must not lose the others' numbers
                 errors[combo] = str(exc).strip().splitlines()[-1][:500]
@@ -236,7 +255,7 @@ def run(
             runs.append(_summary(*combo, results[combo]))
     done = [r for rs in results.values() for r in rs]
     ran = [d for d in dtypes if any(results[c] for c in combos if c[1] == d)]  # so the floor's process fits too
-    floor = _compute_floor(ran, warmup, steps, timeout, size, chunked_loss)
+    floor = _compute_floor(ran, warmup, steps, timeout, size, chunked_loss, blocked_logits)
     params = done[0]["params"] if done else params  # counted on a rank's model; else the same model on meta
     threads = max((r["threads"] for r in done), default=1)  # run_ranks gives every rank one thread
     shape = ", ".join(f"{k}={v}" for k, v in SIZES[size].items())
@@ -256,6 +275,9 @@ def run(
             "ds_plugin_chunked_loss": "on (the engine's default; the others compute transformers' loss)"
             if chunked_loss
             else "off (transformers' loss in every run)",
+            "ds_plugin_blocked_logits": "on (the engine's default; the others compute one matmul)"
+            if blocked_logits
+            else "off (one matmul in every run)",
             # run_ranks starts every rank, whichever the framework, with glibc's per-thread malloc cache off.
             "glibc_thread_cache_on": sorted({v for r in done for v in r["thread_cache_on"]}),
             "seq": SEQ,
@@ -444,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         help="ds_plugin's runs compute the loss in row chunks, the engine's default (on); off: transformers' own "
         "loss, as DDP, FSDP2 and DeepSpeed compute it",
     )
+    parser.add_argument(
+        "--blocked-logits",
+        choices=("on", "off"),
+        default="on",
+        help="ds_plugin's runs compute the output layer's logits in column blocks where the first call measures "
+        "that faster, the engine's default (on); off: one matmul, as DDP, FSDP2 and DeepSpeed compute it",
+    )
     args = parser.parse_args(argv)
     if args.dtypes is None:
         from ds_plugin.runtime.cpu_bf16 import fast_compute_dtype
@@ -488,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                 size=p["size"],
                 world_size=p["world_size"],
                 chunked_loss=args.chunked_loss == "on",
+                blocked_logits=args.blocked_logits == "on",
             )
         )
     report = reports[0] if len(reports) == 1 else _combined(reports, args.repeats)

@@ -70,6 +70,7 @@ ACTS: dict[str, str] = {
     "comms_logger.debug": "runtime/comms_logger.py",
     "host_memory_reuse": "zero/apply.py: reuse_freed_host_memory (true) / release_freed_host_memory (false) on CPU",
     "chunked_loss": "zero/apply.py: use_chunked_loss swaps a transformers causal LM's loss for the chunked one",
+    "blocked_logits": "zero/apply.py: use_blocked_logits gives a transformers model's output layer blocked_linear",
     "non_finite_gradients": "zero/engine.py: stop or skip at an inf/nan gradient without loss scaling",
     "optimizer.type": "optimizer_config.py: the optimizer initialize builds on the fp32 masters",
     "optimizer.params": "optimizer_config.py: that optimizer's arguments",

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from ds_plugin.kernels.blocked_logits import use_blocked_logits
 from ds_plugin.kernels.cross_entropy import use_chunked_loss
 from ds_plugin.presets import ConfigSource
 from ds_plugin.quant.frozen.quantize import check_shardable, quantize_frozen_, quantized_weights
@@ -538,6 +539,8 @@ def apply_plan(
     if sync_module_states and mesh.size() > 1 and not any(p.is_meta for p in model.parameters()):
         broadcast_module_states(model, mesh)
     _convert_layers(model, plan, mesh)
+    # After the conversions: an output layer they replaced (FP8, quantized) is no plain nn.Linear to switch.
+    blocked = use_blocked_logits(model) if plan.blocked_logits else 0
     _store_parameters(model, torch_dtype(plan.compute_dtype))
     if plan.stage >= 2:
         _check_quantized_shards(model, plan, mesh)
@@ -556,12 +559,13 @@ def apply_plan(
         _replicate(model, plan, mesh)
     if mesh.get_local_rank() == 0:
         logger.info(
-            "ZeRO stage %d on %d ranks: %d blocks, compute %s, reduce %s%s",
+            "ZeRO stage %d on %d ranks: %d blocks, compute %s, reduce %s%s%s",
             plan.stage,
             mesh.size(),
             len(blocks),
             plan.compute_dtype,
             plan.reduce_dtype,
             ", causal-LM loss in row chunks (chunked_loss)" if chunked else "",
+            ", logits in column blocks where faster on CPU (blocked_logits)" if blocked else "",
         )
     return model

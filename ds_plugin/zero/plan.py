@@ -121,6 +121,8 @@ class ZeroPlan:
     """CPU runs: make glibc keep freed memory mapped (see `host_memory.py`)."""
     chunked_loss: bool
     """Hugging Face causal LMs compute their loss with `kernels.cross_entropy.causal_lm_loss`."""
+    blocked_logits: bool
+    """Hugging Face models' output layers compute on CPU with `kernels.blocked_logits.blocked_linear`."""
     non_finite_gradients: str
     """Without a loss scaler (bf16/fp32): "error" stops at a non-finite gradient, "skip" skips that step."""
     optimizer: OptimizerConfig | None = None
@@ -398,6 +400,7 @@ def resolve_plan(
         comms_logger=config.comms_logger if config.comms_logger.enabled else None,
         host_memory_reuse=config.host_memory_reuse and device_type == "cpu",
         chunked_loss=config.chunked_loss,
+        blocked_logits=config.blocked_logits,
         non_finite_gradients=config.non_finite_gradients,
         optimizer=optimizer,
         scheduler=scheduler,

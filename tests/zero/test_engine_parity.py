@@ -10,6 +10,10 @@ the tests then check the recorded numbers:
   before the last micro-step, and the weights moved;
 - gradient clipping by the global norm across shards equals `clip_grad_norm_` on the DDP model.
 
+Every engine's output layer computes its logits and its weight's gradient in column blocks (config
+`blocked_logits`), as a wide vocabulary does on CPU: blocks are made 32 columns narrow so the 128-word vocabulary
+spans four, and the first-call measurement is pinned to blocks.
+
 A run whose optimizer never steps fails these (`DS_PLUGIN_TEST_NOOP_STEP=1`, see tests/_break.py).
 """
 
@@ -92,7 +96,7 @@ def _parity_worker(rank: int, world: int) -> dict:
 
     from ds_plugin.zero.setup import initialize
 
-    out: dict = {}
+    out: dict = {"blocked_logits": _blocks_everywhere()}
     for name, build in MODELS.items():
         out["ddp", name] = _fit_ddp(build(), rank, world)
         runs = [(s, "fp32", {}) for s in STAGES] + [(s, "bf16", {}) for s in BF16_STAGES]
@@ -105,6 +109,16 @@ def _parity_worker(rank: int, world: int) -> dict:
     _accumulation(rank, world, out)
     _clipping(rank, world, out)
     return out
+
+
+def _blocks_everywhere() -> list[str]:
+    """Switch the tiny models' 128-column output layers to blocks of 32, always taken; the passes that took them."""
+    from ds_plugin.kernels import blocked_logits
+
+    blocked_logits.BLOCK_COLUMNS, blocked_logits.MIN_COLUMNS = 32, 64
+    taken: list[str] = []
+    blocked_logits._faster_in_blocks = lambda key, whole, blocks: taken.append(key[0]) is None
+    return taken
 
 
 def _accumulation(rank: int, world: int, out: dict) -> None:
@@ -194,6 +208,15 @@ def test_hpz_losses_match_ddp(parity, model):
     for r in results:
         assert_learns(r["ddp", model], f"DDP {model}")
         assert max_rel(r["hpz", model], r["ddp", model]) < 1e-5
+
+
+def test_engines_computed_logits_in_blocks(parity):
+    world, results = parity
+    engines = len(MODELS) * (len(STAGES) + len(BF16_STAGES) + (world == 4))
+    for r in results:
+        taken = r["blocked_logits"]
+        # Every training step of every engine above (and of the accumulation and clipping runs after them).
+        assert taken.count("forward") >= engines * STEPS and taken.count("weight_grad") >= engines * STEPS, taken
 
 
 def test_ranks_see_different_data(parity):
