@@ -9,8 +9,8 @@ input's gradient gains nothing from blocks and stays one matmul. For the whole f
 that is 0.72 -> 0.64 s per step in fp32.
 
 Every logit is still one dot product over the whole hidden dimension, and with this machine's kernels the blocks
-give `F.linear`'s numbers bit for bit (fp32 and bf16, blocks of 256 columns and up; fp32 blocks of 16 columns do
-not). Whether blocks win depends on the shape, dtype and BLAS build (bf16 into 32,000 columns ran 10% slower in
+gave `F.linear`'s numbers bit for bit in every shape tried with blocks of 256 or 2,048 columns, fp32 and bf16
+(fp32 blocks of 16 columns did not). Whether blocks win depends on the shape, dtype and BLAS build (bf16 into 32,000 columns ran 10% slower in
 blocks): the first call of each (dtype, hidden, vocabulary, threads) shape runs both ways on up to 512 of its rows
 and keeps blocks only when they gave the same bits and were at least 5% faster; the weight's gradient is decided
 the same way at its first backward. So a result never depends on the choice, only the time does.
