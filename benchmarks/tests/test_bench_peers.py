@@ -49,7 +49,9 @@ def test_tiny_scaling_run(tmp_path, capsys):
         vs_ddp = r["comparisons"]["zero3_vs_ddp_step_fp32"]
         assert vs_ddp["ratio"] == round(step["ds_plugin_zero3"] / step["ddp"], 3) and vs_ddp["at_most"] == 1.05
         floor = r["compute_floor"]  # one process's forward+backward: below the step of every config that ran
-        assert floor["what"].endswith("the chunked loss") and 0 < floor["fp32"] < min(step.values()), floor
+        assert floor["what"].endswith("the chunked loss, the logits in column blocks where faster"), floor
+        assert 0 < floor["fp32"] < min(step.values()), floor
+        assert r["setup"]["ds_plugin_blocked_logits"].startswith("on"), r["setup"]
     floors = [r["compute_floor"] for r in report["reports"]]
     assert floors[0] == floors[1]  # it does not depend on the world size: measured once per size
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
