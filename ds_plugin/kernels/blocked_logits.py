@@ -10,10 +10,11 @@ that is 0.72 -> 0.64 s per step in fp32.
 
 Every logit is still one dot product over the whole hidden dimension, and with this machine's kernels the blocks
 gave `F.linear`'s numbers bit for bit in every shape tried with blocks of 256 or 2,048 columns, fp32 and bf16
-(fp32 blocks of 16 columns did not). Whether blocks win depends on the shape, dtype and BLAS build (bf16 into 32,000 columns ran 10% slower in
-blocks): the first call of each (dtype, hidden, vocabulary, threads) shape runs both ways on up to 512 of its rows
-and keeps blocks only when they gave the same bits and were at least 5% faster; the weight's gradient is decided
-the same way at its first backward. So a result never depends on the choice, only the time does.
+(fp32 blocks of 16 columns did not). Whether blocks win depends on the shape, dtype and BLAS build (bf16 into
+32,000 columns ran 10% slower in blocks): the first call of each (dtype, hidden, vocabulary, threads) shape runs
+both ways on up to 512 of its rows and keeps blocks only when they gave the same bits and were at least 5% faster;
+the weight's gradient is decided the same way at its first backward. So a result never depends on the choice,
+only the time does; the choice is logged at DEBUG level.
 
 `use_blocked_logits(model)` gives every Hugging Face model inside `model` whose output layer is a plain
 `nn.Linear` at least `MIN_COLUMNS` wide this layer's forward; off CPU, under autocast, under `torch.compile` or on
@@ -23,12 +24,15 @@ is false.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BLOCK_COLUMNS", "MIN_COLUMNS", "BlockedLogitsLinear", "blocked_linear", "use_blocked_logits"]
 
@@ -88,6 +92,14 @@ def _faster_in_blocks(key: tuple[Any, ...], whole: Any, blocks: Any) -> bool:
                 best[way] = min(best[way], time.perf_counter() - start)
         same = torch.equal(results[whole], results[blocks])
         known = _FASTER_IN_BLOCKS[key] = same and best[blocks] < _GAIN * best[whole]
+        logger.debug(
+            "blocked_logits %s: %s (one matmul %.1f ms, blocks %.1f ms, same bits %s)",
+            key,
+            "blocks" if known else "one matmul",
+            best[whole] * 1e3,
+            best[blocks] * 1e3,
+            same,
+        )
     return known
 
 
