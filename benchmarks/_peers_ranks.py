@@ -88,7 +88,7 @@ def _torch_step(model: torch.nn.Module, *, autocast: bool) -> Callable[[torch.Te
 
 
 def _ds_plugin_step(
-    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool, chunked_loss: bool, blocked_logits: bool
+    model: torch.nn.Module, stage: int, bf16: bool, reuse: bool, engine_keys: dict[str, Any]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     import ds_plugin
 
@@ -97,21 +97,13 @@ def _ds_plugin_step(
         "bf16": {"enabled": bf16},
         "gradient_clipping": 0.0,
         "host_memory_reuse": reuse,
-        "chunked_loss": chunked_loss,
-        "blocked_logits": blocked_logits,
+        **engine_keys,
     }
     return engine_step(ds_plugin.initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=LR)))
 
 
 def _make_step(
-    name: str,
-    dtype: str,
-    model: torch.nn.Module,
-    rank: int,
-    world: int,
-    reuse: bool,
-    chunked_loss: bool = True,
-    blocked_logits: bool = True,
+    name: str, dtype: str, model: torch.nn.Module, rank: int, world: int, reuse: bool, engine_keys: dict[str, Any]
 ):
     bf16 = dtype == "bf16"
     if name == "ddp":
@@ -119,7 +111,7 @@ def _make_step(
     if name == "fsdp2":
         return _fsdp2_step(model, bf16)
     if name.startswith("ds_plugin_zero"):
-        return _ds_plugin_step(model, int(name[-1]), bf16, reuse, chunked_loss, blocked_logits)
+        return _ds_plugin_step(model, int(name[-1]), bf16, reuse, engine_keys)
     if name.startswith("deepspeed_zero"):
         from benchmarks._deepspeed_peer import make_deepspeed_step
 
@@ -151,10 +143,13 @@ def rank_run(
     steps: int,
     reuse: bool,
     size: str = "16m",
-    chunked_loss: bool = True,
-    blocked_logits: bool = True,
+    engine_keys: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`warmup` + `steps` training steps of config `name` (a member of NAMES); per-step times, peak RSS, loss."""
+    """`warmup` + `steps` training steps of config `name` (a member of NAMES); per-step times, peak RSS, loss.
+
+    `engine_keys`: ds_plugin config keys of its runs beyond stage, dtype and memory reuse (`chunked_loss`,
+    `blocked_logits`); the engine's defaults where absent.
+    """
     import torch.distributed as dist
 
     from ds_plugin.runtime.host_memory import reuse_freed_host_memory, thread_cache_on
@@ -168,7 +163,7 @@ def rank_run(
     model = _model(size)
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())  # before any wrapper shards or flattens them
-    step = _make_step(name, dtype, model, rank, world, reuse, chunked_loss, blocked_logits)
+    step = _make_step(name, dtype, model, rank, world, reuse, engine_keys or {})
     times, cpu, loss = _timed(step, warmup + steps, rank, vocab)
     final = loss.detach().float().reshape(1).clone()
     dist.all_reduce(final)
@@ -191,10 +186,10 @@ def floor_rank(
     warmup: int,
     steps: int,
     size: str,
-    chunked_loss: bool,
-    blocked_logits: bool = True,
+    engine_keys: dict[str, Any] | None = None,
 ) -> float:
-    """Median seconds of the model's forward and backward alone (no wrapper, no communication, no optimizer)."""
+    """Median seconds of the model's forward and backward alone (no wrapper, no communication, no optimizer), with
+    the engine's loss and output layer as `engine_keys` (`rank_run`'s) choose them."""
     from ds_plugin.kernels.blocked_logits import use_blocked_logits
     from ds_plugin.kernels.cross_entropy import use_chunked_loss
     from ds_plugin.runtime.host_memory import reuse_freed_host_memory
@@ -203,9 +198,10 @@ def floor_rank(
     model = _model(size)
     if dtype == "bf16":
         model.to(torch.bfloat16)  # the weights ds_plugin's bf16 runs compute with
-    if chunked_loss:
+    keys = engine_keys or {}
+    if keys.get("chunked_loss", True):
         use_chunked_loss(model)
-    if blocked_logits:
+    if keys.get("blocked_logits", True):
         use_blocked_logits(model)
 
     def forward_backward(x: torch.Tensor) -> None:

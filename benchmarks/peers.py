@@ -82,13 +82,12 @@ def _one_run(
     reuse: bool,
     size: str,
     world: int,
-    chunked_loss: bool = True,
-    blocked_logits: bool = True,
+    engine_keys: dict[str, Any],
 ) -> dict[str, Any]:
     env = deepspeed_env() if name.startswith("deepspeed") else {}
     load = os.getloadavg()[0]
     kwargs = {"name": name, "dtype": dtype, "warmup": warmup, "steps": steps, "reuse": reuse, "size": size}
-    kwargs.update(chunked_loss=chunked_loss, blocked_logits=blocked_logits)
+    kwargs["engine_keys"] = engine_keys
     per_rank = run_ranks(rank_run, world, timeout=timeout, env=env, **kwargs)
     return {
         "step_times": [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)],
@@ -104,11 +103,10 @@ def _one_run(
 
 @functools.cache
 def _floor_seconds(
-    dtype: str, warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool, blocked_logits: bool
+    dtype: str, warmup: int, steps: int, timeout: float, size: str, engine_keys: tuple[tuple[str, Any], ...]
 ) -> float | str:
     # Cached: the floor does not depend on the world size, so a --world-sizes plan measures it once per size.
-    kwargs = {"dtype": dtype, "warmup": warmup, "steps": steps, "size": size}
-    kwargs.update(chunked_loss=chunked_loss, blocked_logits=blocked_logits)
+    kwargs = {"dtype": dtype, "warmup": warmup, "steps": steps, "size": size, "engine_keys": dict(engine_keys)}
     try:
         return round(run_ranks(floor_rank, 1, timeout=timeout, **kwargs)[0], 4)
     except RuntimeError as exc:
@@ -116,17 +114,21 @@ def _floor_seconds(
 
 
 def _compute_floor(
-    dtypes: list[str], warmup: int, steps: int, timeout: float, size: str, chunked_loss: bool, blocked_logits: bool
+    dtypes: list[str], warmup: int, steps: int, timeout: float, size: str, engine_keys: dict[str, bool]
 ) -> dict[str, Any]:
     """Forward + backward of one rank's micro-batch in one process alone: what no framework's step can beat here."""
     floor: dict[str, Any] = {
         "what": "median s of forward+backward of one micro-batch in one process alone (one thread, host memory "
         "reuse, no communication, no optimizer step; bf16: bf16 weights), "
-        + ("the chunked loss" if chunked_loss else "transformers' loss")
-        + (", the logits in column blocks where faster" if blocked_logits else ", the logits in one matmul")
+        + ("the chunked loss" if engine_keys["chunked_loss"] else "transformers' loss")
+        + (
+            ", the logits in column blocks where faster"
+            if engine_keys["blocked_logits"]
+            else ", the logits in one matmul"
+        )
     }
     for dtype in dtypes:
-        floor[dtype] = _floor_seconds(dtype, warmup, steps, timeout, size, chunked_loss, blocked_logits)
+        floor[dtype] = _floor_seconds(dtype, warmup, steps, timeout, size, tuple(sorted(engine_keys.items())))
     return floor
 
 
@@ -216,6 +218,7 @@ def run(
             that faster (the config's `blocked_logits`, on by default); the others compute one matmul either way.
     """
     ds_version, ds_missing = deepspeed_version()
+    engine_keys = {"chunked_loss": chunked_loss, "blocked_logits": blocked_logits}
     combos = [(n, d) for n in names for d in dtypes]
     skipped = {c: ds_missing for c in combos if c[0].startswith("deepspeed") and ds_missing}
     results: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in combos}
@@ -231,17 +234,7 @@ def run(
                 continue
             try:
                 results[combo].append(
-                    _one_run(
-                        *combo,
-                        warmup,
-                        steps,
-                        timeout,
-                        host_memory_reuse,
-                        size,
-                        world_size,
-                        chunked_loss,
-                        blocked_logits,
-                    )
+                    _one_run(*combo, warmup, steps, timeout, host_memory_reuse, size, world_size, engine_keys)
                 )
             except RuntimeError as exc:  # one peer failing must not lose the others' numbers
                 errors[combo] = str(exc).strip().splitlines()[-1][:500]
@@ -255,7 +248,7 @@ def run(
             runs.append(_summary(*combo, results[combo]))
     done = [r for rs in results.values() for r in rs]
     ran = [d for d in dtypes if any(results[c] for c in combos if c[1] == d)]  # so the floor's process fits too
-    floor = _compute_floor(ran, warmup, steps, timeout, size, chunked_loss, blocked_logits)
+    floor = _compute_floor(ran, warmup, steps, timeout, size, engine_keys)
     params = done[0]["params"] if done else params  # counted on a rank's model; else the same model on meta
     threads = max((r["threads"] for r in done), default=1)  # run_ranks gives every rank one thread
     shape = ", ".join(f"{k}={v}" for k, v in SIZES[size].items())
