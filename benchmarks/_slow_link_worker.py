@@ -12,6 +12,7 @@ report's entry for the config.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -48,6 +49,8 @@ DEEPSPEED: dict[str, dict[str, Any]] = {
     },
 }
 CONFIGS = (*PRESETS, *DEEPSPEED)
+#: The parts of a step timed apart on every rank: the forward (with the loss), the backward, and `step()`.
+PHASES = ("forward", "backward", "step")
 
 
 class Block(nn.Module):
@@ -174,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         engine, info = _ds_plugin_engine(args.config, model, per_node, args.lr, reuse)
     times: list[float] = []
     cpu_times: list[float] = []
+    phases: list[list[tuple[float, float]]] = []
     losses: list[float] = []
     tx_start = faults_start = 0
     window_start = 0.0
@@ -183,14 +187,19 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             tx_start = _tx_bytes(ifname)
             faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             window_start = time.monotonic()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        marks = [(time.perf_counter(), time.process_time())]
         loss = F.mse_loss(engine(x).float(), target)
+        marks.append((time.perf_counter(), time.process_time()))
         engine.backward(loss)
+        marks.append((time.perf_counter(), time.process_time()))
         engine.step()
+        marks.append((time.perf_counter(), time.process_time()))
         dist.barrier()
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
+            times.append(time.perf_counter() - marks[0][0])
+            cpu_times.append(time.process_time() - marks[0][1])
+            # (wall, CPU) seconds of the forward, the backward and `step()` (clipping and the optimizer).
+            phases.append([(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(marks)])
         losses.append(loss.item())
     window_end = time.monotonic()
     # Only each namespace's first rank reads its veth; the other rank shares the same counter.
@@ -200,6 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     mine = {
         "times": times,
         "cpu_times": cpu_times,
+        "phases": phases,
         "tx_bytes": sent,
         "stats": None if stats is None else vars(stats),
         "faults_per_step": (usage.ru_minflt - faults_start) / max(1, args.steps),
@@ -219,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "config": args.config,
         "step_times_by_rank": [r["times"] for r in everyone],
         "cpu_times_by_rank": [r["cpu_times"] for r in everyone],
+        "phases_by_rank": [r["phases"] for r in everyone],
         "cross_node_tx_bytes_by_node": [r["tx_bytes"] for r in everyone[::per_node]],
         # Page faults say whether freed memory was being mapped afresh every step; peak RSS what reuse costs.
         "page_faults_per_step_by_rank": [round(r["faults_per_step"]) for r in everyone],
@@ -237,7 +248,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     per_step = [max(ts) for ts in zip(*raw["step_times_by_rank"], strict=True)]
     steps = len(per_step)
-    dropped = ("step_times_by_rank", "cpu_times_by_rank", "cross_node_tx_bytes_by_node", "timed_window_monotonic")
+    dropped = (
+        "step_times_by_rank", "cpu_times_by_rank", "phases_by_rank", "cross_node_tx_bytes_by_node",
+        "timed_window_monotonic",
+    )  # fmt: skip
     out = {k: v for k, v in raw.items() if k not in dropped}
     out.update(
         step_s=statistics.median(per_step),
@@ -248,6 +262,14 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         cpu_s_per_step_by_rank=[round(statistics.median(ts), 3) for ts in raw["cpu_times_by_rank"]],
         cross_node_mb_per_step_by_node=[round(b / steps / 1e6, 2) for b in raw["cross_node_tx_bytes_by_node"]],
     )
+    if "phases_by_rank" in raw:
+        # Where each rank's step went: median wall and CPU seconds of its forward, backward and `step()`. A phase whose
+        # CPU seconds, summed over the ranks and spread over the cores, come near its wall time is bound by the cores.
+        for key, index in (("phase_s_by_rank", 0), ("phase_cpu_s_by_rank", 1)):
+            out[key] = {
+                name: [round(statistics.median(step[k][index] for step in rank), 3) for rank in raw["phases_by_rank"]]
+                for k, name in enumerate(PHASES)
+            }
     return out
 
 

@@ -26,6 +26,10 @@ The report's keys besides the per-config entries (``configs``) and the setup:
   ``zero3_at_most_deepspeed_zero3`` (our ZeRO-3's step <= DeepSpeed ZeRO-3's) and
   ``zeropp_3x_fastest_zero3`` (``zeropp_speedup_over_fastest_zero3 >= target_zeropp_over_fastest_zero3``, 3.0).
 
+Each config's entry also has ``phase_s_by_rank`` and ``phase_cpu_s_by_rank``: per rank, the median wall and CPU
+seconds of its forward, backward and ``step()`` (a phase whose CPU seconds over all ranks, spread over the cores,
+come near its wall time was waiting for the cores, not the link).
+
 With ``--timeline`` each config's entry also has ``utilization`` (:mod:`benchmarks._slow_link_timeline`): per step,
 the seconds in which the link alone, the cores alone, both or neither were busy, sampled about every 5 ms, and the
 first two steps' samples (``trace``), which ``--png`` charts.
@@ -541,6 +545,10 @@ def _print_text(report: dict[str, Any]) -> None:
         if "step_s" in entry:
             mb, bound = entry["cross_node_mb_per_step_by_node"], entry.get("bound_by")
             print(f"{name:>16}: {entry['step_s']:7.3f} s/step, {mb} MB/step across per node, {bound}-bound")
+            if entry.get("phase_s_by_rank"):
+                walls, cpus = entry["phase_s_by_rank"], entry["phase_cpu_s_by_rank"]
+                split = ", ".join(f"{k} {max(walls[k]):.3f} / {sum(cpus[k]):.3f} s" for k in walls)
+                print(f"{'':>16}  wall (slowest rank) / CPU (all ranks): {split}")
             if entry.get("utilization"):
                 u = entry["utilization"]
                 print(

@@ -86,17 +86,29 @@ def test_stale_namespaces_only_of_dead_runs():
 
 
 def test_summarize_takes_the_slowest_rank_per_step():
+    walls = {"forward": [[0.1, 0.2, 0.3], [0.5, 0.4, 0.6]], "backward": [[0.6, 2.5, 1.4], [0.7, 1.3, 1.6]]}
+    walls["step"] = [[0.3] * 3] * 2
+    cpus = {"forward": [0.1, 0.2], "backward": [0.3, 0.1], "step": [0.1, 0.1]}  # per rank, the same every step
     raw = {
         "config": "zero3",
         "step_times_by_rank": [[1.0, 3.0, 2.0], [1.5, 2.0, 2.5]],
         "cpu_times_by_rank": [[0.5, 0.5, 0.5], [0.2, 0.4, 0.3]],
         "cross_node_tx_bytes_by_node": [3_000_000, 6_000_000],
+        # Per rank, per step: (wall, CPU) of the forward, the backward and step().
+        "phases_by_rank": [
+            [[(walls[p][rank][step], cpus[p][rank]) for p in ("forward", "backward", "step")] for step in range(3)]
+            for rank in range(2)
+        ],
         "losses": [1.0],
     }
     out = summarize(raw)
     assert out["step_s"] == 2.5 and out["step_s_min"] == 1.5 and out["step_s_max"] == 3.0
     assert out["cross_node_mb_per_step_by_node"] == [1.0, 2.0]
     assert out["cpu_s_per_step_by_rank"] == [0.5, 0.3]
+    # Medians over the steps, per rank and phase; the raw lists are not reported.
+    assert out["phase_s_by_rank"] == {"forward": [0.2, 0.5], "backward": [1.4, 1.3], "step": [0.3, 0.3]}
+    assert out["phase_cpu_s_by_rank"] == {"forward": [0.1, 0.2], "backward": [0.3, 0.1], "step": [0.1, 0.1]}
+    assert "phases_by_rank" not in out and "step_times_by_rank" not in out
     assert summarize({"error": "x"}) == {"error": "x"}
 
 
@@ -390,6 +402,12 @@ def test_worker_on_loopback(tmp_path):
     assert result["collectives"] == {"all_gather": "QuantizedAllGather", "reduce_scatter": "QuantizedReduceScatter"}
     assert result["zeropp_stats_rank0"]["quantized_all_gathers"] > 0
     assert len(result["step_times_by_rank"]) == 4 and all(len(t) == 2 for t in result["step_times_by_rank"])
+    # Each timed step of each rank split into forward, backward and step(), as (wall, CPU) pairs within its step.
+    for steps, totals in zip(result["phases_by_rank"], result["step_times_by_rank"], strict=True):
+        assert len(steps) == 2
+        for phases, total in zip(steps, totals, strict=True):
+            assert len(phases) == 3 and all(wall > 0 and cpu >= 0 for wall, cpu in phases)
+            assert sum(wall for wall, _ in phases) <= total
     assert len(result["losses"]) == 3 and all(v > 0 for v in result["losses"])
 
 
