@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import _slow_link_net as slow_link_net
 from benchmarks import slow_link
 from benchmarks._slow_link_timeline import Sampler, draw, trace, utilization
 from benchmarks._slow_link_worker import (
@@ -321,7 +322,7 @@ def _skipped(capsys) -> str:
 
 
 def test_skips_when_not_root(monkeypatch, capsys):
-    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(slow_link_net.os, "geteuid", lambda: 1000)
     before = signal.getsignal(signal.SIGTERM)
     assert slow_link.main(["--json"]) == 0
     assert "root" in _skipped(capsys)
@@ -342,9 +343,9 @@ def test_skips_and_cleans_up_when_ip_fails(monkeypatch, capsys):
             raise subprocess.CalledProcessError(1, cmd, "", "mount --make-shared /run/netns failed: Permission denied")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(slow_link.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
-    monkeypatch.setattr(slow_link, "_run", fake_run)
+    monkeypatch.setattr(slow_link_net.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slow_link_net.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(slow_link_net, "run_cmd", fake_run)
     assert slow_link.main(["--json"]) == 0
     reason = _skipped(capsys)
     assert "Permission denied" in reason and "ip netns add" in reason
@@ -356,8 +357,8 @@ def test_skips_and_cleans_up_when_ip_fails(monkeypatch, capsys):
 
 
 def test_skips_without_iproute2(monkeypatch, capsys):
-    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(slow_link.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(slow_link_net.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slow_link_net.shutil, "which", lambda tool: None)
     assert slow_link.main(["--json"]) == 0
     assert "iproute2" in _skipped(capsys)
 
@@ -413,7 +414,7 @@ def test_worker_on_loopback(tmp_path):
 
 def _namespaces() -> set[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return {line.split()[0] for line in listing.splitlines() if line.startswith(slow_link.NS_PREFIX)}
+    return {line.split()[0] for line in listing.splitlines() if line.startswith(slow_link_net.NS_PREFIX)}
 
 
 _needs_real_run = pytest.mark.skipif(
@@ -461,7 +462,7 @@ def test_sigterm_removes_namespaces_and_children():
     cmd = [sys.executable, "-m", "ds_plugin.cli", "bench", "slow-link", "--json", *_SMALL, "--timeout", "200"]
     proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        mine = {f"{slow_link.NS_PREFIX}-{proc.pid}-0", f"{slow_link.NS_PREFIX}-{proc.pid}-1"}
+        mine = {f"{slow_link_net.NS_PREFIX}-{proc.pid}-0", f"{slow_link_net.NS_PREFIX}-{proc.pid}-1"}
         deadline = time.monotonic() + 120
         while not mine <= _namespaces() and time.monotonic() < deadline:
             time.sleep(0.2)
