@@ -190,6 +190,7 @@ def floor_rank(
 ) -> float:
     """Median seconds of the model's forward and backward alone (no wrapper, no communication, no optimizer), with
     the engine's loss and output layer as `engine_keys` (`rank_run`'s) choose them."""
+    from ds_plugin.config import TrainingConfig
     from ds_plugin.kernels.blocked_logits import use_blocked_logits
     from ds_plugin.kernels.cross_entropy import use_chunked_loss
     from ds_plugin.runtime.host_memory import reuse_freed_host_memory
@@ -198,10 +199,11 @@ def floor_rank(
     model = _model(size)
     if dtype == "bf16":
         model.to(torch.bfloat16)  # the weights ds_plugin's bf16 runs compute with
-    keys = engine_keys or {}
-    if keys.get("chunked_loss", True):
+    # A key left out is the engine's default, read from the config class itself.
+    keys = {**vars(TrainingConfig()), **(engine_keys or {})}
+    if keys["chunked_loss"]:
         use_chunked_loss(model)
-    if keys.get("blocked_logits", True):
+    if keys["blocked_logits"]:
         use_blocked_logits(model)
 
     def forward_backward(x: torch.Tensor) -> None:
