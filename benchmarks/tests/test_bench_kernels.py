@@ -10,36 +10,20 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
-
-import triton
 
 from ds_plugin.kernels import quant_linear_triton as qlt
 
 FORMATS = ["fp6", "int4", "int8"]
 
 
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-# As in tests/kernels/test_quant_linear.py: Triton <= 3.6's interpreter cannot run the kernels' loops under
-# NumPy >= 2.5 (fixed in Triton 3.7).
-INTERPRETER_LOOPS = not (_release(triton.__version__) < (3, 7) and _release(np.__version__) >= (2, 5))
-
-
 @pytest.fixture
 def interpreter(monkeypatch):
-    if not INTERPRETER_LOOPS:
-        pytest.skip(
-            f"triton {triton.__version__}'s interpreter cannot run loops under numpy {np.__version__}: "
-            "use triton >= 3.7 or numpy < 2.5"
-        )
+    if problem := qlt.interpreter_problem():
+        pytest.skip(problem)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert qlt.interpreter_enabled()
 

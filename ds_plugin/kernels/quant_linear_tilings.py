@@ -8,11 +8,12 @@ kernel-resources`` builds every one for sm_90); under Triton's interpreter one s
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 
 import triton
 
-__all__ = ["Config", "backward_configs", "fit", "forward_configs", "interpreter_enabled"]
+__all__ = ["Config", "backward_configs", "fit", "forward_configs", "interpreter_enabled", "interpreter_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,32 @@ def interpreter_enabled() -> bool:
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run the GEMM kernels with these Triton and NumPy releases, or None.
+
+    Triton <= 3.6's interpreter takes a loop bound as ``int()`` of a shape-(1,) array, which NumPy >= 2.5 refuses
+    (Triton 3.7 squeezes it first); the kernels loop over K (N in the backward) with runtime bounds. The installed
+    releases unless given.
+    """
+    triton_version = triton_version or triton.__version__
+    if numpy_version is None:
+        try:
+            numpy_version = importlib.metadata.version("numpy")
+        except importlib.metadata.PackageNotFoundError:
+            return "Triton's interpreter needs NumPy, which is not installed: pip install numpy"
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 5):
+        return (
+            f"Triton {triton_version}'s interpreter cannot run the kernels' loops under NumPy {numpy_version}: "
+            "use Triton >= 3.7 or NumPy < 2.5"
+        )
+    return None
 
 
 # Candidates per shape class, best guess first; the op times them on a GPU. Few on purpose: each is a compile.

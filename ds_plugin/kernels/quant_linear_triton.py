@@ -50,10 +50,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ds_plugin.kernels.quant_linear_tilings import Config, backward_configs, fit, forward_configs, interpreter_enabled
+from ds_plugin.kernels.quant_linear_tilings import (
+    Config,
+    backward_configs,
+    fit,
+    forward_configs,
+    interpreter_enabled,
+    interpreter_problem,
+)
 
 __all__ = ["KERNEL_FORMATS", "Config", "Launch", "backward_configs", "backward_launch", "forward_configs"]
-__all__ += ["forward_launch", "interpreter_enabled", "launch_counts", "linear_backward", "linear_forward", "supports"]
+__all__ += ["forward_launch", "interpreter_enabled", "interpreter_problem", "launch_counts", "linear_backward"]
+__all__ += ["linear_forward", "supports"]
 
 KERNEL_FORMATS = ("int8", "int4", "fp6")
 _FMT_ID = {"int8": 0, "int4": 1, "fp6": 2}
@@ -282,6 +290,8 @@ def _jit(fn: Callable[..., None]) -> Any:
     """``fn`` jitted for the current mode, calling helpers jitted for the same mode (triton.jit decides between
     compiled and interpreted when it wraps, and an interpreted kernel cannot call a compiled helper)."""
     interpret = interpreter_enabled()
+    if interpret and (problem := interpreter_problem()):
+        raise RuntimeError(problem)  # else the interpreter fails deep inside its loop handling
     key = (fn.__name__, interpret)
     if key not in _jitted:
         namespace = dict(fn.__globals__)

@@ -9,14 +9,11 @@ the same way, on the shapes and tilings they run for real.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
-
-import triton
 
 from ds_plugin.kernels import quant_linear_reference as ref
 from ds_plugin.kernels import quant_linear_triton as qlt
@@ -32,23 +29,10 @@ EPS = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-10}
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-# Triton <= 3.6's interpreter takes a loop bound as int(array of shape (1,)), which NumPy >= 2.5 refuses; Triton 3.7
-# squeezes it first. These kernels loop over K (N in the backward) with runtime bounds, so they cannot run there.
-INTERPRETER_LOOPS = not (_release(triton.__version__) < (3, 7) and _release(np.__version__) >= (2, 5))
-
-
 @pytest.fixture
 def interpreter(monkeypatch):
-    if not INTERPRETER_LOOPS:
-        pytest.skip(
-            f"triton {triton.__version__}'s interpreter cannot run loops under numpy {np.__version__}: "
-            "use triton >= 3.7 or numpy < 2.5"
-        )
+    if problem := qlt.interpreter_problem():
+        pytest.skip(problem)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert qlt.interpreter_enabled()
 
@@ -377,12 +361,29 @@ def test_a_compiled_model_calls_the_op_in_forward_and_backward():
 
 
 def test_kernels_are_jitted_per_mode(monkeypatch):
+    monkeypatch.setattr(qlt, "interpreter_problem", lambda: None)  # jitting launches nothing: any release will do
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     interpreted = qlt._jit(qlt._fwd_kernel)
     monkeypatch.delenv("TRITON_INTERPRET")
     compiled_kernel = qlt._jit(qlt._fwd_kernel)
     assert type(interpreted) is not type(compiled_kernel)
     assert qlt._jit(qlt._fwd_kernel) is compiled_kernel
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_says_why_in_one_line(monkeypatch):
+    problem = qlt.interpreter_problem("3.6.0", "2.5.5")
+    assert problem.count("\n") == 0 and "3.6.0" in problem and "2.5.5" in problem and "Triton >= 3.7" in problem
+    for fine in (("3.7.0", "2.5.5"), ("3.6.0", "2.4.6"), ("3.10.0rc1", "2.5.0"), ("3.6.0", "1.26.4")):
+        assert qlt.interpreter_problem(*fine) is None, fine
+    # A launch under such an interpreter stops with that line, not deep in the interpreter's loop handling; and the
+    # op, which re-raises interpreter failures rather than falling back, passes it on.
+    monkeypatch.setattr(qlt, "interpreter_problem", lambda: problem)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    parts = _parts("int8", 40, 96, 32)
+    with pytest.raises(RuntimeError, match=r"^Triton 3\.6\.0's interpreter cannot run the kernels' loops"):
+        qlt.linear_forward(torch.randn(1, 96).to(torch.bfloat16), "int8", *_args("int8", parts), 32, None)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert qlt._jit(qlt._fwd_kernel) is not None  # compiled mode is not the interpreter's business
 
 
 # ----------------------------------------------------------------------------------------- compiled, on a GPU
