@@ -376,12 +376,17 @@ def test_an_interpreter_that_cannot_run_the_kernels_says_why_in_one_line(monkeyp
     for fine in (("3.7.0", "2.5.5"), ("3.6.0", "2.4.6"), ("3.10.0rc1", "2.5.0"), ("3.6.0", "1.26.4")):
         assert qlt.interpreter_problem(*fine) is None, fine
     # A launch under such an interpreter stops with that line, not deep in the interpreter's loop handling; and the
-    # op, which re-raises interpreter failures rather than falling back, passes it on.
+    # op, which re-raises interpreter failures rather than falling back to the reference, passes it on.
     monkeypatch.setattr(qlt, "interpreter_problem", lambda: problem)
+    monkeypatch.setattr(linear_op, "_state", linear_op._new_state())
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     parts = _parts("int8", 40, 96, 32)
-    with pytest.raises(RuntimeError, match=r"^Triton 3\.6\.0's interpreter cannot run the kernels' loops"):
-        qlt.linear_forward(torch.randn(1, 96).to(torch.bfloat16), "int8", *_args("int8", parts), 32, None)
+    x = torch.randn(1, 96).to(torch.bfloat16)
+    line = r"^Triton 3\.6\.0's interpreter cannot run the kernels' loops under NumPy 2\.5\.5: use Triton >= 3\.7"
+    with pytest.raises(RuntimeError, match=line):
+        qlt.linear_forward(x, "int8", *_args("int8", parts), 32, None)
+    with pytest.raises(RuntimeError, match=line):
+        linear_op.quantized_linear(x, linear_op.parts_list("int8", parts), "int8", 32, None)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert qlt._jit(qlt._fwd_kernel) is not None  # compiled mode is not the interpreter's business
 
