@@ -27,6 +27,15 @@ def _probe(fn) -> str:
     return "yes" if result in (None, True) else f"no ({result})"
 
 
+def _interpreter_row() -> str:
+    # The quantize kernels run under any interpreter; the quantized-weight GEMMs' loops need Triton >= 3.7 or an
+    # older NumPy (`interpreter_problem`), and a launch there stops with that line.
+    from ds_plugin.kernels.quant_linear_tilings import interpreter_problem
+
+    problem = interpreter_problem()
+    return "yes" if problem is None else f"quantize kernels only; GEMM kernels no ({problem})"
+
+
 def _scaled_mm_probe(device: str, rowwise: bool):
     import torch
 
@@ -118,7 +127,7 @@ def collect_env() -> dict[str, Any]:
         "triton kernels (compiled)": "yes"
         if triton_ok and cuda
         else "no (needs triton and a GPU; torch fallbacks run)",
-        "triton interpreter (TRITON_INTERPRET=1)": "yes" if triton_ok else "no (triton not installed)",
+        "triton interpreter (TRITON_INTERPRET=1)": _interpreter_row() if triton_ok else "no (triton not installed)",
         "bitsandbytes (NF4, 8-bit optimizers)": _probe(bnb_backend),
     }
     return {

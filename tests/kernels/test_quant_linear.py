@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from ds_plugin.env import _interpreter_row
 from ds_plugin.kernels import quant_linear_reference as ref
+from ds_plugin.kernels import quant_linear_tilings
 from ds_plugin.kernels import quant_linear_triton as qlt
 from ds_plugin.quant import KernelLaunchError, strict_kernels
 from ds_plugin.quant.frozen import linear_op
@@ -375,6 +377,11 @@ def test_an_interpreter_that_cannot_run_the_kernels_says_why_in_one_line(monkeyp
     assert problem.count("\n") == 0 and "3.6.0" in problem and "2.5.5" in problem and "Triton >= 3.7" in problem
     for fine in (("3.7.0", "2.5.5"), ("3.6.0", "2.4.6"), ("3.10.0rc1", "2.5.0"), ("3.6.0", "1.26.4")):
         assert qlt.interpreter_problem(*fine) is None, fine
+    # `ds-plugin env` says so too, where it used to answer yes whenever Triton was installed.
+    monkeypatch.setattr(quant_linear_tilings, "interpreter_problem", lambda: problem)
+    assert _interpreter_row() == f"quantize kernels only; GEMM kernels no ({problem})"
+    monkeypatch.setattr(quant_linear_tilings, "interpreter_problem", lambda: None)
+    assert _interpreter_row() == "yes"
     # A launch under such an interpreter stops with that line, not deep in the interpreter's loop handling; and the
     # op, which re-raises interpreter failures rather than falling back to the reference, passes it on.
     monkeypatch.setattr(qlt, "interpreter_problem", lambda: problem)
