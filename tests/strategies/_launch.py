@@ -52,11 +52,13 @@ def run_script(
     Args:
         name: the script's file name.
         args: more command-line arguments.
-        workdir: a directory the script may write to (a fresh temporary one by default).
+        workdir: a directory the script may write to (by default a fresh temporary one, removed afterwards).
         timeout: seconds before the script and its children are killed.
         expect_result: False for a run that is meant to die (the result is then `{"returncode": ...}`).
     """
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="ds_plugin_lightning_"))
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="ds_plugin_lightning_") as tmp:
+            return run_script(name, *args, workdir=Path(tmp), timeout=timeout, expect_result=expect_result)
     try:
         return _run_once(name, args, workdir, timeout, expect_result)
     except _PortTaken:
