@@ -36,7 +36,14 @@ def _port() -> str:
 
 
 def _launch(name: str, yaml: Path, args: list[str], ds_config: Path | None, env: dict[str, str], procs: int) -> dict:
-    out = Path(tempfile.mkdtemp(prefix="bench_fsdp2_")) / f"{name}.json"
+    with tempfile.TemporaryDirectory(prefix="bench_fsdp2_") as tmp:
+        return _launch_into(Path(tmp) / f"{name}.json", yaml, args, ds_config, env, procs)
+
+
+def _launch_into(
+    out: Path, yaml: Path, args: list[str], ds_config: Path | None, env: dict[str, str], procs: int
+) -> dict:
+    name = out.stem
     cmd = [ACCELERATE, "launch", "--config_file", str(yaml), "--main_process_port", _port(), "--num_processes",
            str(procs)]  # fmt: skip
     if ds_config is not None:

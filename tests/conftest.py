@@ -21,6 +21,7 @@ error there, never a silent fallback to the torch reference that the test would 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import _break
@@ -59,6 +60,28 @@ def _is_release(path: Path) -> bool:
         or rel.as_posix() in RELEASE_FILES
         or any(word in rel.name for word in RELEASE_NAME_WORDS)
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_write_temp_files_here(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The processes tests start keep their temporary files under this session's pytest directory (pytest keeps
+    the last three sessions' and removes older ones), not in the system's: torchrun's agent alone leaves a
+    `torchelastic_*` directory behind at every launch. Inductor's compile cache stays where it was (it is found
+    through the temporary directory), so the compiled code is still shared between runs."""
+    import getpass
+    import tempfile
+
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    )
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("children"))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(autouse=True)
