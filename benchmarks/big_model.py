@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import resource
-import struct
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from ds_plugin._argparse import MAX_LOCAL_RANKS, MAX_TIMEOUT_S, ArgumentParser, count, number, output_dir, output_file
+from ds_plugin.checkpoint.safetensors_files import safetensors_header
 from ds_plugin.launch import run_ranks
 
 __all__ = ["llama_tensors", "main", "write_checkpoint"]
@@ -82,18 +82,10 @@ def _hf_config(shape: dict[str, int]) -> dict[str, Any]:
 
 
 def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...]]], seed: int, device: str = "cpu") -> None:
-    # safetensors' layout: an 8-byte header length, the JSON header (padded to 8 bytes), then each tensor's bytes.
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in tensors:
-        nbytes = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text = safetensors_header([(name, torch.bfloat16, shape) for name, shape in tensors])
     gen = torch.Generator(device).manual_seed(seed)  # on a GPU the drawing is ~100x faster than one CPU thread
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
+        f.write(text)
         for name, shape in tensors:
             if name.endswith("norm.weight"):
                 t = torch.ones(shape, dtype=torch.bfloat16)

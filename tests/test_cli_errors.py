@@ -131,20 +131,41 @@ def test_help_still_exits_0(argv: list[str]) -> None:
 
 def test_export_writes_and_reports_a_full_disk_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    import safetensors.torch
+    from safetensors.torch import load_file
 
+    import ds_plugin.export as export
     from ds_plugin.checkpoint import save_checkpoint
 
     ckpt = str(save_checkpoint(tmp_path / "ck", model_state={"w": torch.ones(4)}))
-    code, out, err = run_cli(["export", ckpt, str(tmp_path / "new" / "out")])
-    assert (code, err) == (0, "") and out.startswith("exported 1 tensors (4 parameters)")
+    out = tmp_path / "new" / "out"
+    code, text, err = run_cli(["export", ckpt, str(out)])
+    assert (code, err) == (0, "") and text.startswith("exported 1 tensors (4 parameters)")
+    assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(4))
+    other = str(save_checkpoint(tmp_path / "ck2", model_state={"w": torch.zeros(4)}))
 
-    def full_disk(*args: Any, **kwargs: Any) -> None:
-        raise OSError(28, "No space left on device", str(tmp_path / "full" / "model.safetensors"))
+    # The disk fills while the new export is written over the first one: one line naming the file, and the first
+    # export stays whole, with no partial file beside it.
+    def full_disk(f: Any, t: Any) -> None:
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    line = assert_one_line_error(["export", ckpt, str(tmp_path / "full")], "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(export, "_write_tensor", full_disk)
+        line = assert_one_line_error(["export", other, str(out)], "No space left on device")
     assert line.startswith("ds-plugin export: error: ") and "model.safetensors" in line
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(4))
+
+    # A disk too small for the export is refused before anything is written, in one line giving both sizes.
+    class Usage:
+        free = 15  # bytes: the 16 bytes of 4 fp32 weights do not fit
+
+    with monkeypatch.context() as m:
+        m.setattr(export.shutil, "disk_usage", lambda path: Usage)
+        line = assert_one_line_error(["export", other, str(out)], "needs 16 B", "15 B are free", str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert torch.equal(load_file(out / "model.safetensors")["w"], torch.ones(4))
+    code, text, err = run_cli(["export", other, str(out)])  # with room, the second export replaces the first
+    assert (code, err) == (0, "") and torch.equal(load_file(out / "model.safetensors")["w"], torch.zeros(4))
 
 
 def test_export_marker_with_a_files_list(tmp_path: Path) -> None:

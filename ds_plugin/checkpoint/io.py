@@ -28,6 +28,7 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -301,20 +302,31 @@ def load_checkpoint(
     return extra
 
 
-def load_full_state_dict(path: str | os.PathLike, prefix: str = "model") -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` as a full (unsharded) CPU tensor, read in this process alone.
+def load_full_state_dict(
+    path: str | os.PathLike, prefix: str = "model", names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` (or the named ones) as a full (unsharded) CPU tensor, read in this process alone.
 
     Args:
         path: the checkpoint directory.
         prefix: "model" for the weights, "optim" for the optimizer state.
+        names: only these tensors (names under `prefix`), in this order; DCP reads only their bytes, so a
+            checkpoint larger than memory can be read a few tensors at a time. None: all of them.
     """
     root, _, metadata = open_verified(path)
     head = prefix + "."
-    inner = {
-        k[len(head) :]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    tensors = {
+        k[len(head) :]: md
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith(head) and isinstance(md, TensorStorageMetadata)
     }
+    if names is not None:
+        names = list(names)
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise CheckpointError(f"checkpoint {root} holds no tensor {prefix}.{missing[0]}")
+        tensors = {n: tensors[n] for n in names}
+    inner = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in tensors.items()}
     _dcp_load(root, {prefix: inner}, metadata, no_dist=True)
     return inner
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointLoadError", "LoadStats", "SafetensorsCheckpoint", "naive_load_bytes"]
+__all__ = ["CheckpointLoadError", "LoadStats", "SafetensorsCheckpoint", "naive_load_bytes", "safetensors_header"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -38,7 +38,31 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _SHARD_NAME = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
+
+
+def safetensors_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The bytes a safetensors file starts with, for `tensors` (name, dtype, shape) stored in that order after it.
+
+    The format: a little-endian u64 length, then JSON (padded with spaces to a multiple of 8 bytes) giving each
+    tensor's dtype, shape and byte range in the data that follows; `{"format": "pt"}` as the file's metadata, which
+    transformers requires. Writing a file this way needs only the tensor being written in memory.
+
+    Raises:
+        ValueError: a dtype safetensors cannot store.
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in tensors:
+        if dtype not in _NAMES:
+            raise ValueError(f"{name}: safetensors cannot store {dtype}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 class CheckpointLoadError(ValueError):

@@ -256,7 +256,7 @@ def _uninstall() -> None:
             setattr(module, name, orig)
 
 
-def _fmt_bytes(b: float) -> str:
+def fmt_bytes(b: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if abs(b) < 1024:
             return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
@@ -478,8 +478,8 @@ class CommsLogger:
         for step in keys:
             for (op, label), e in sorted(summ[step].items()):
                 lines.append(
-                    f"{step!s:>5}  {op:<28} {label:<16} {e['calls']:>7} {_fmt_bytes(e['bytes']):>14} "
-                    f"{_fmt_bytes(e['in_bytes']):>12} {_fmt_bytes(e['out_bytes']):>12}"
+                    f"{step!s:>5}  {op:<28} {label:<16} {e['calls']:>7} {fmt_bytes(e['bytes']):>14} "
+                    f"{fmt_bytes(e['in_bytes']):>12} {fmt_bytes(e['out_bytes']):>12}"
                 )
         return "\n".join(lines)
 

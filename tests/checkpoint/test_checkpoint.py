@@ -238,7 +238,9 @@ def _gpt2_worker(rank: int, n: int, root: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_export_gpt2_to_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_gpt2_to_transformers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoModelForCausalLM
 
     run_ranks(_gpt2_worker, 2, root=str(tmp_path))
@@ -265,6 +267,27 @@ def test_export_gpt2_to_transformers(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert torch.equal(again(torch.arange(16).view(1, 16)).logits, logits)
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
     assert bf16.transformer.wte.weight.dtype == torch.bfloat16
+
+    # Read a few tensors at a time (as a model larger than memory is): the same files' tensors, and the shards
+    # back as one file when re-exported into the same directory, the shards and index gone.
+    from safetensors.torch import load_file
+
+    import ds_plugin.export as export
+
+    monkeypatch.setattr(export, "READ_BYTES", 2048)
+    small = export_checkpoint(tmp_path / "gpt", tmp_path / "sharded", max_shard_size=4096)
+    assert json.loads((small / "model.safetensors.index.json").read_text()) == index
+    for name in set(index["weight_map"].values()):
+        assert load_file(small / name).keys() == {k for k, v in index["weight_map"].items() if v == name}
+    whole = load_file(out / "model.safetensors")
+    assert all(
+        torch.equal(t, whole[k])
+        for name in set(index["weight_map"].values())
+        for k, t in load_file(small / name).items()
+    )
+    export_checkpoint(tmp_path / "gpt", small)
+    assert sorted(p.name for p in small.iterdir()) == ["config.json", "model.safetensors"]
+    assert load_file(small / "model.safetensors").keys() == whole.keys()
 
 
 def test_export_command_bad_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "NF4_CODEBOOK",
     "check_weight",
     "dequantize_weight",
+    "logical_cols",
     "quantize_weight",
     "weight_nbytes",
 ]
@@ -193,7 +194,7 @@ def dequantize_weight(parts: dict[str, Tensor], fmt: str, group_size: int, dtype
     if codes is None or codes.dtype != torch.uint8 or codes.dim() != 2:
         raise ValueError(f"{fmt} parts need 2-D uint8 'codes', got {None if codes is None else codes.dtype}")
     n_rows = codes.shape[0]
-    k = _logical_cols(fmt, codes.shape[1])
+    k = logical_cols(fmt, codes.shape[1])
     check_weight(fmt, (n_rows, k), group_size)
     per_group = (n_rows, k // group_size)
     # Per-group factors for every row first (a few bytes per group), then the elements in blocks of rows written
@@ -252,7 +253,8 @@ def weight_nbytes(shape: tuple[int, int], fmt: str, group_size: int | None = Non
     return n_rows * per_row
 
 
-def _logical_cols(fmt: str, code_cols: int) -> int:
+def logical_cols(fmt: str, code_cols: int) -> int:
+    """Columns of the weight whose `fmt` codes have `code_cols` bytes per row (INT4/NF4 pack two, FP6 four in 3)."""
     if fmt == "int8":
         return code_cols
     if fmt == "fp6":
