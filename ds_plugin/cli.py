@@ -32,6 +32,7 @@ BENCHMARKS = {
     "kernel-resources": "benchmarks.kernel_resources",
     "quantize": "benchmarks.quantize",
     "big-model": "benchmarks.big_model",
+    "export": "benchmarks.export_memory",
     "generate": "benchmarks.generate",
 }
 NO_CHECKOUT = (

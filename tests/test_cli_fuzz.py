@@ -121,6 +121,17 @@ BENCH_FLAGS: dict[str, Spec] = {
         "--png": (["new/peers.png"], bad_output),
         "--host-memory-reuse": (["on", "off"], bad_choice(("on", "off"))),
     },
+    "export": {
+        "--layers": (["1"], bad_int()),
+        "--hidden": (["64"], bad_int()),
+        "--intermediate": (["128"], bad_int()),
+        "--vocab": (["256"], bad_int()),
+        "--world-size": (["2"], bad_int(1, 1024)),
+        "--dtype": (["bf16", "fp32"], bad_choice(("fp32", "bf16", "fp16"))),
+        "--workdir": (["new/work"], bad_output_dir),
+        "--timeout": (["600"], bad_float(0, WEEK, above=True)),
+        "--out": (["new/export.json"], bad_output),
+    },
     "quantize": {
         "--rows": (["8", "1"], bad_int()),
         "--repeats": (["1"], bad_int()),
@@ -164,7 +175,7 @@ BENCH_SWITCHES = {
 }
 BENCH_SWITCHES |= {"lora-memory": ["--json", "--no-isolate"], "peers": ["--json"], "slow-link": ["--json"]}
 BENCH_SWITCHES |= {"zero-memory": ["--json", "--no-lora"], "kernel-resources": ["--json"], "quantize": ["--json"]}
-BENCH_SWITCHES |= {"generate": ["--json"]}
+BENCH_SWITCHES |= {"generate": ["--json"], "export": ["--json", "--no-baseline"]}
 assert set(BENCH_FLAGS) == set(BENCHMARKS) == set(BENCH_SWITCHES)
 
 ESTIMATE_FLAGS: Spec = {
