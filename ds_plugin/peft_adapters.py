@@ -33,7 +33,9 @@ def _rank() -> int:
 
 
 @torch.no_grad()
-def full_state_dict(engine: Any, module: nn.Module | None = None, *, trainable_only: bool = False) -> dict:
+def full_state_dict(
+    engine: Any, module: nn.Module | None = None, *, trainable_only: bool = False, dtype: torch.dtype | None = None
+) -> dict:
     """Full (unsharded) CPU tensors on rank 0, an empty dict elsewhere; a collective: every rank calls it.
 
     Trainable weights are the fp32 masters at every stage; a quantized frozen weight appears as its components
@@ -43,6 +45,8 @@ def full_state_dict(engine: Any, module: nn.Module | None = None, *, trainable_o
         engine: the ``ZeroEngine`` holding the model (``trainer.strategy.engine`` in Lightning).
         module: a submodule of the engine's model; keys are then relative to it (e.g. for ``save_pretrained``).
         trainable_only: only parameters that require grad (an adapter's weights).
+        dtype: cast floating-point tensors to it as each is gathered, so rank 0 never holds the fp32 copy of the
+            whole model (at a 7B model 28 GB, against 14 GB in bf16).
     """
     root = engine.module
     prefix = ""
@@ -59,7 +63,8 @@ def full_state_dict(engine: Any, module: nn.Module | None = None, *, trainable_o
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if rank0:
-            out[key[len(prefix) :]] = full.detach().to("cpu", copy=True)
+            cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+            out[key[len(prefix) :]] = full.detach().to("cpu", dtype=cast, copy=True)
     return out
 
 

@@ -192,10 +192,10 @@ class DeepSpeedEngine:
         """
         from ds_plugin.peft_adapters import full_state_dict
 
-        state = full_state_dict(self.engine, trainable_only=exclude_frozen_parameters)
+        # Cast as each weight is gathered: rank 0 holds the 16-bit model only, as DeepSpeed's does.
+        dtype = torch_dtype(self.engine.plan.compute_dtype)
+        state = full_state_dict(self.engine, trainable_only=exclude_frozen_parameters, dtype=dtype)
         if self.global_rank == 0:
-            dtype = torch_dtype(self.engine.plan.compute_dtype)
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             Path(save_dir).mkdir(parents=True, exist_ok=True)
             torch.save(state, Path(save_dir) / save_filename)
         dist.barrier()

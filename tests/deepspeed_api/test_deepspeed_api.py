@@ -106,6 +106,15 @@ def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
     if rank == 0:
         saved = torch.load(Path(tmp) / "pytorch_model.bin")
         out["saved16"] = sorted(saved), bool(torch.equal(saved["0.weight"], edited))
+    # Under bf16 the file holds bf16 weights: the fp32 masters rounded once, cast as each is gathered.
+    engine_bf16, *_ = deepspeed.initialize(model=_net(), config={**CONFIG3, "bf16": {"enabled": True}})
+    masters = {k: v.full_tensor() for k, v in engine_bf16.module.state_dict().items()}
+    engine_bf16.save_16bit_model(Path(tmp) / "bf16")
+    if rank == 0:
+        saved = torch.load(Path(tmp) / "bf16" / "pytorch_model.bin")
+        out["saved_bf16"] = sorted({str(t.dtype) for t in saved.values()}), all(
+            torch.equal(saved[k], masters[k].to(torch.bfloat16)) for k in masters
+        )
 
     # Stage 1: the edit reaches the fp32 master and survives a step with zero learning rate.
     net1 = _net()
@@ -154,6 +163,7 @@ def test_checkpoint_round_trip_and_16bit_model(ranks):
         assert r["lr_after_load"] == pytest.approx(0.0025)
         assert r["nothing_to_load"] == [None, None]
     assert ranks[0]["saved16"] == (["0.bias", "0.weight", "2.bias", "2.weight"], True)
+    assert ranks[0]["saved_bf16"] == (["torch.bfloat16"], True)
 
 
 # ---------------------------------------------------------------------------------------------------- one process
