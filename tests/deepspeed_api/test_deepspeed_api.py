@@ -112,8 +112,9 @@ def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
     engine_bf16.save_16bit_model(Path(tmp) / "bf16")
     if rank == 0:
         saved = torch.load(Path(tmp) / "bf16" / "pytorch_model.bin")
-        out["saved_bf16"] = sorted({str(t.dtype) for t in saved.values()}), all(
-            torch.equal(saved[k], masters[k].to(torch.bfloat16)) for k in masters
+        out["saved_bf16"] = (
+            sorted({str(t.dtype) for t in saved.values()}),
+            all(torch.equal(saved[k], masters[k].to(torch.bfloat16)) for k in masters),
         )
 
     # Stage 1: the edit reaches the fp32 master and survives a step with zero learning rate.
