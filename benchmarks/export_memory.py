@@ -34,7 +34,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _save_rank(rank: int, world: int, *, shape: dict[str, int], path: str) -> int:
-    """Save this rank's rows of every tensor (seeded by name and rank) as one sharded checkpoint."""
+    """Save this rank's rows of every tensor (random, seeded by the tensor's index and the rank) as one checkpoint."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
