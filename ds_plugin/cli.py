@@ -265,7 +265,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_estimate, parser=p)
 
-    p = sub.add_parser("export", help="consolidate a sharded checkpoint into safetensors (+ config.json)")
+    p = sub.add_parser(
+        "export",
+        help="consolidate a sharded checkpoint into safetensors (+ config.json)",
+        description="Write a checkpoint's full weights as safetensors, reading about 1 GiB at a time (memory: that "
+        "plus the largest tensor, whatever the model's size); the files replace an earlier export in out_dir only "
+        "once all are written.",
+    )
     p.add_argument(
         "ckpt_dir",
         help="a checkpoint directory written by ds_plugin (an engine, Lightning, Fabric, Accelerate)",
