@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ds_plugin._argparse import MAX_LOCAL_RANKS, MAX_TIMEOUT_S, ArgumentParser, count, number, output_dir, output_file
-from ds_plugin.checkpoint.safetensors_files import safetensors_header
+from ds_plugin.checkpoint.safetensors_files import safetensors_header, write_tensor_data
 from ds_plugin.launch import run_ranks
 
 __all__ = ["llama_tensors", "main", "write_checkpoint"]
@@ -91,7 +91,7 @@ def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...]]], seed: in
                 t = torch.ones(shape, dtype=torch.bfloat16)
             else:  # Llama's initializer_range
                 t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen).cpu()
-            f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            write_tensor_data(f, t)
             del t
 
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from tqdm import tqdm
 
 from ds_plugin.checkpoint import CheckpointError, load_full_state_dict, read_checkpoint_info
-from ds_plugin.checkpoint.safetensors_files import safetensors_header
+from ds_plugin.checkpoint.safetensors_files import safetensors_header, write_tensor_data
 from ds_plugin.runtime.comms_logger import fmt_bytes
 
 __all__ = ["export_checkpoint", "export_command", "export_summary"]
@@ -155,10 +155,6 @@ def _materialize(entry: _Entry, loaded: dict[str, torch.Tensor]) -> torch.Tensor
     return t.to(entry.dtype)
 
 
-def _write_tensor(f: Any, t: torch.Tensor) -> None:
-    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-
-
 def _write_file(path: Path, entries: list[_Entry], ckpt_dir: Any, bar: Any) -> None:
     """Write one safetensors file, reading its tensors from the checkpoint about `READ_BYTES` at a time."""
     with open(path, "wb") as f:
@@ -175,7 +171,7 @@ def _write_file(path: Path, entries: list[_Entry], ckpt_dir: Any, bar: Any) -> N
                 t = _materialize(entry, loaded)
                 if tuple(t.shape) != entry.shape or t.dtype != entry.dtype:  # the header is already written
                     raise CheckpointError(f"{entry.name!r} read as {tuple(t.shape)} {t.dtype}, not {entry.shape}")
-                _write_tensor(f, t)
+                write_tensor_data(f, t)
                 bar.update(entry.nbytes)
                 del t
             del loaded

@@ -149,7 +149,7 @@ def test_export_writes_and_reports_a_full_disk_in_one_line(tmp_path: Path, monke
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(export, "_write_tensor", full_disk)
+        m.setattr(export, "write_tensor_data", full_disk)
         line = assert_one_line_error(["export", other, str(out)], "No space left on device")
     assert line.startswith("ds-plugin export: error: ") and "model.safetensors" in line
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]

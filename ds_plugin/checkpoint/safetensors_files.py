@@ -17,10 +17,18 @@ import re
 import struct
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["CheckpointLoadError", "LoadStats", "SafetensorsCheckpoint", "naive_load_bytes", "safetensors_header"]
+__all__ = [
+    "CheckpointLoadError",
+    "LoadStats",
+    "SafetensorsCheckpoint",
+    "naive_load_bytes",
+    "safetensors_header",
+    "write_tensor_data",
+]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -63,6 +71,12 @@ def safetensors_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) 
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
+
+
+def write_tensor_data(f: Any, t: torch.Tensor) -> None:
+    """Append `t`'s bytes (row-major, little-endian as the CPU stores them) to an open binary file: a tensor's data
+    in a file begun with `safetensors_header`."""
+    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class CheckpointLoadError(ValueError):
