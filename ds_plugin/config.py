@@ -194,6 +194,12 @@ class ZeroConfig:
         ge=0,
         aliases=("max_reuse_distance",),
     )
+    stage3_gather_16bit_weights_on_model_save: bool = option(
+        False,
+        doc="the HF Trainer's save_model and Accelerate's get_state_dict give the weights in the compute dtype "
+        "(fp16/bf16, each cast as it is gathered), as DeepSpeed's; false: the fp32 master weights (any stage)",
+        aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"),
+    )
     sub_group_size: int = option(1_000_000_000, doc="optimizer step granularity", ge=0, ignored=FSDP_BUCKETS)
     offload_optimizer: OffloadOptimizerConfig = option(doc="optimizer offload", factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = option(doc="parameter offload", factory=OffloadParamConfig)

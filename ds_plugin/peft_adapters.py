@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-__all__ = ["full_state_dict", "save_adapter"]
+__all__ = ["full_state_dict", "save_adapter", "saved_weights_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,9 @@ def full_state_dict(
         engine: the ``ZeroEngine`` holding the model (``trainer.strategy.engine`` in Lightning).
         module: a submodule of the engine's model; keys are then relative to it (e.g. for ``save_pretrained``).
         trainable_only: only parameters that require grad (an adapter's weights).
-        dtype: cast floating-point tensors to it as each is gathered, so rank 0 never holds the fp32 copy of the
-            whole model (at a 7B model 28 GB, against 14 GB in bf16).
+        dtype: cast the model's floating-point parameters and buffers to it as each is gathered, so rank 0 never
+            holds the fp32 copy of the whole model (at a 7B model 28 GB, against 14 GB in bf16). The components of
+            a quantized frozen weight (``.codes``, ``.scales``, ...) keep their dtypes: they are not weights.
     """
     root = engine.module
     prefix = ""
@@ -56,6 +57,9 @@ def full_state_dict(
             raise ValueError(f"full_state_dict: the {type(module).__name__} is not part of the trained model")
         prefix = f"{names[0]}."
     trainable = {name for name, p in root.named_parameters() if p.requires_grad}
+    # Every name a weight is saved under (a shared module's too: peft's `word_embeddings` is the base's embedding).
+    castable = {name for name, _ in root.named_parameters(remove_duplicate=False)}
+    castable |= {name for name, _ in root.named_buffers(remove_duplicate=False)}
     rank0 = _rank() == 0
     out: dict[str, torch.Tensor] = {}
     for key, value in engine.model_state_dict().items():
@@ -63,9 +67,23 @@ def full_state_dict(
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if rank0:
-            cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+            cast = dtype if dtype is not None and full.is_floating_point() and key in castable else full.dtype
             out[key[len(prefix) :]] = full.detach().to("cpu", dtype=cast, copy=True)
     return out
+
+
+def saved_weights_dtype(engine: Any) -> torch.dtype | None:
+    """The dtype a whole-model save (the HF Trainer's `save_model`, Accelerate's `get_state_dict`) gives the weights
+    in: the compute dtype when the config sets `stage3_gather_16bit_weights_on_model_save` and computes in fp16/bf16
+    (DeepSpeed's 16-bit weights), else None: the fp32 master weights as they are.
+
+    Args:
+        engine: the ``ZeroEngine`` holding the model.
+    """
+    from ds_plugin.zero.mesh import torch_dtype
+
+    plan = engine.plan
+    return torch_dtype(plan.compute_dtype) if plan.save_16bit_weights and plan.compute_dtype != "fp32" else None
 
 
 def _is_peft(module: nn.Module) -> bool:

@@ -54,6 +54,8 @@ ACTS: dict[str, str] = {
     "zero_optimization.stage3_prefetch_bucket_size": "zero/apply.py: _set_prefetch, the blocks gathered ahead",
     "zero_optimization.stage3_max_reuse_distance": "zero/apply.py: _kept_blocks, blocks kept gathered into backward",
     "zero_optimization.stage3_max_live_parameters": "zero/apply.py: _kept_blocks, the cap on the blocks kept",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "peft_adapters.py: saved_weights_dtype, whole-model "
+    "saves (HF save_model, Accelerate get_state_dict) in the compute dtype",
     "zero_optimization.zero_quantized_weights": "zero/zeropp.py: qwZ",
     "zero_optimization.zero_quantized_gradients": "zero/zeropp.py: qgZ",
     "zero_optimization.zero_quantized_weights_block_size": "zero/zeropp.py: qwZ scale blocks",

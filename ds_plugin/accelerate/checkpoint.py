@@ -22,7 +22,7 @@ from torch import nn
 
 from ds_plugin.accelerate.optimizer import ZeroAcceleratedOptimizer
 from ds_plugin.checkpoint import MARKER, CheckpointError, load_engine_checkpoint, save_engine_checkpoint
-from ds_plugin.peft_adapters import full_state_dict
+from ds_plugin.peft_adapters import full_state_dict, saved_weights_dtype
 from ds_plugin.zero.engine import ZeroEngine
 
 __all__ = ["ENGINE_DIR", "EngineCheckpointing", "has_engine_state", "load_engine_state", "save_engine_state"]
@@ -88,8 +88,10 @@ class EngineCheckpointing:
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full weights as CPU tensors on the main process (empty elsewhere); every process must call it.
 
-        Trainable weights are the fp32 masters; a frozen weight stored quantized (`frozen_format`) appears as its
-        components (`<name>.codes`, ...).
+        Trainable weights are the fp32 masters, or, when the config sets
+        `stage3_gather_16bit_weights_on_model_save` (Accelerate's `zero3_save_16bit_model`), the weights in the
+        compute dtype, each cast as it is gathered (DeepSpeed's 16-bit weights). A frozen weight stored quantized
+        (`frozen_format`) appears as its components (`<name>.codes`, ...).
 
         Args:
             model: the prepared model.
@@ -97,7 +99,7 @@ class EngineCheckpointing:
         """
         if self._engine is None or self.unwrap_model(model) is not self._engine.module:
             return super().get_state_dict(model, unwrap=unwrap)
-        return full_state_dict(self._engine)
+        return full_state_dict(self._engine, dtype=saved_weights_dtype(self._engine))
 
     def _without_engine_objects(self) -> contextlib.AbstractContextManager[None]:
         # Accelerate's save/load would write or read whole state dicts of these from one process.

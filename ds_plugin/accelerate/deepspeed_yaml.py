@@ -15,7 +15,7 @@ process) is read here. Either way `deepspeed_config_block` turns it into the Dee
 | `zero_stage` | `zero_optimization.stage` |
 | `offload_optimizer_device`, `offload_param_device` | `zero_optimization.offload_optimizer/offload_param.device` |
 | `gradient_accumulation_steps`, `gradient_clipping` | the same keys ("auto" when absent) |
-| `zero3_save_16bit_model` | `zero_optimization.stage3_gather_16bit_weights_on_model_save` (reported by the config) |
+| `zero3_save_16bit_model` | `zero_optimization.stage3_gather_16bit_weights_on_model_save` (16-bit saves) |
 
 plus `train_batch_size` / `train_micro_batch_size_per_gpu` "auto" as Accelerate writes them. Keys with no meaning
 here (`zero3_init_flag`, `deepspeed_multinode_launcher`, the hostfile and its filters) are reported with the reason.

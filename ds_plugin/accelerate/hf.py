@@ -172,7 +172,7 @@ def _is_peft(model: Any) -> bool:
 
 def _hook_trainer(module: ModuleType) -> None:
     from ds_plugin.accelerate.accelerator import Accelerator
-    from ds_plugin.peft_adapters import full_state_dict
+    from ds_plugin.peft_adapters import full_state_dict, saved_weights_dtype
 
     if "Accelerator" in module.__dict__:
         module.Accelerator = Accelerator  # bound before the bootstrap ran
@@ -195,7 +195,7 @@ def _hook_trainer(module: ModuleType) -> None:
             output_dir = output_dir or self.args.output_dir
             # Every rank gathers (a collective); only the saving rank writes. transformers < 5.24's `_save` assumes it
             # runs there alone: called on another rank it wrote that rank's empty dict over the same files.
-            state = full_state_dict(engine, trainable_only=_is_peft(self.model))
+            state = full_state_dict(engine, trainable_only=_is_peft(self.model), dtype=saved_weights_dtype(engine))
             if self.args.should_save:
                 self._save(output_dir, state_dict=state)
             if self.args.push_to_hub and not _internal_call:

@@ -125,6 +125,9 @@ class ZeroPlan:
     """Hugging Face models' output layers compute on CPU with `kernels.blocked_logits.blocked_linear`."""
     non_finite_gradients: str
     """Without a loss scaler (bf16/fp32): "error" stops at a non-finite gradient, "skip" skips that step."""
+    save_16bit_weights: bool
+    """`stage3_gather_16bit_weights_on_model_save`: whole-model saves (HF `save_model`, Accelerate `get_state_dict`)
+    give parameters in the compute dtype, not the fp32 masters."""
     optimizer: OptimizerConfig | None = None
     """The config's `optimizer` block ("auto" filled where the framework said): built when no optimizer is passed."""
     scheduler: SchedulerConfig | None = None
@@ -402,6 +405,7 @@ def resolve_plan(
         chunked_loss=config.chunked_loss,
         blocked_logits=config.blocked_logits,
         non_finite_gradients=config.non_finite_gradients,
+        save_16bit_weights=config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
         optimizer=optimizer,
         scheduler=scheduler,
     )

@@ -238,7 +238,12 @@ def test_hf_trainer_with_its_deepspeed_json(hf: dict[str, Any]) -> None:
     assert [part["resumed"][str(s)] for s in range(6, 11)] == [part["losses"][str(s)] for s in range(6, 11)]
     assert "ds_plugin_engine" in part["checkpoint_files"] and "optimizer.pt" not in part["checkpoint_files"]
     assert "model.safetensors" in part["saved_files"]
-    assert part["reload_max_diff"] < 5e-2  # from_pretrained (fp32) vs the trained model's bf16 forward
+    assert part["reload_max_diff"] < 5e-2  # from_pretrained vs the trained model's bf16 forward
+    # stage3_gather_16bit_weights_on_model_save (HF's JSON): bf16 weights, the masters rounded once, none left out
+    # (a tied lm_head is saved once, under the input embedding's name).
+    assert part["saved_dtypes"] == ["torch.bfloat16"]
+    assert part["saved_keys_missing"] in ([], ["lm_head.weight"])
+    assert part["saved_vs_bf16_masters"] == 0.0 < part["saved_vs_fp32_masters"]
 
 
 def test_trl_dpo_with_lora(hf: dict[str, Any]) -> None:

@@ -61,7 +61,15 @@ def _train(rank: int, world: int, kind: str, fmt: str, out_dir: str) -> dict:
     save_adapter(engine, out_dir)
     with torch.no_grad():
         logits = engine(input_ids=_probe()).logits.detach().clone()
-    return {"losses": losses, "logits": logits}
+    # A whole-model save cast to 16 bits (save_16bit_model, stage3_gather_16bit_weights_on_model_save), as an fp16
+    # run asks for it: the model's weights in fp16, the stored components of the quantized base (codes, bf16
+    # scales, ...) as they are.
+    from ds_plugin.peft_adapters import full_state_dict
+
+    plain, cast = full_state_dict(engine), full_state_dict(engine, dtype=torch.float16)
+    dtypes = {k: (str(v.dtype), str(cast[k].dtype)) for k, v in plain.items()}
+    same = all(torch.equal(v.to(cast[k].dtype), cast[k]) for k, v in plain.items())
+    return {"losses": losses, "logits": logits, "dtypes": dtypes, "cast_is_rounding": same}
 
 
 def _reload(kind: str, fmt: str, path: str) -> torch.Tensor:
@@ -126,3 +134,13 @@ def test_adapter_trained_at_zero3_on_a_quantized_base_reloads_exactly(spawned, k
     with torch.no_grad():
         before = untrained(input_ids=_probe()).logits
     assert not torch.allclose(before, got, atol=1e-3)  # the adapter changed the model
+    # Cast to fp16 on gathering: every weight (the adapter's, the base's norms and embeddings) becomes fp16, the
+    # rounded fp32 value; the quantized base's components keep their dtypes (fp16 scales would be other weights).
+    dtypes = results[0]["dtypes"]
+    components = {k: d for k, d in dtypes.items() if ".weight." in k}  # <linear>.weight.codes, .scales, ...
+    assert components and all(before_ == after for before_, after in components.values()), components
+    # Float components among them (int4's bf16 scales, nf4's fp32 absmax offsets), left alone.
+    assert any(d[0] in ("torch.bfloat16", "torch.float32") for d in components.values()), components
+    weights = {k: d for k, d in dtypes.items() if k not in components}
+    assert weights and all(d == ("torch.float32", "torch.float16") for d in weights.values()), weights
+    assert results[0]["cast_is_rounding"]

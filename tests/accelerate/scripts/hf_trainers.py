@@ -4,7 +4,8 @@ imports ds_plugin; it only reads `trainer.accelerator.engine` to report what ran
 Parts, in one launch (process start-up dominates on CPU):
 * trainer: `transformers.Trainer` with `TrainingArguments(deepspeed=<HF's zero3 "auto" JSON>, bf16=True)`, 10 steps
   with a checkpoint at step 5; a second Trainer resumes from it and must log the same losses for steps 6-10; the
-  saved model must reload with `from_pretrained` and give the trained model's logits.
+  saved model (bf16: the JSON sets `stage3_gather_16bit_weights_on_model_save`) must hold the fp32 masters rounded
+  to bf16, and reload with `from_pretrained` to give the trained model's logits.
 * dpo: trl's `DPOTrainer` with a LoRA `peft_config` and no DeepSpeed argument (the launch's --ds-config, which
   stores the frozen base as INT8), 10 steps;
   the saved adapter must reload with `PeftModel.from_pretrained` and give the trained model's logits.
@@ -104,6 +105,10 @@ def part_trainer(args: argparse.Namespace) -> dict[str, Any]:
     first.save_model(str(final))
     trained = probe_logits(first.model)
     info = engine_info(first)
+    # The fp32 masters, whole (a collective: every rank): the JSON asks for 16-bit weights on save, so the saved file
+    # must hold exactly these rounded to bf16 once.
+    masters = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+               for k, v in first.accelerator.engine.model_state_dict().items()}  # fmt: skip
 
     second = Trainer(model=llama(seed=1), args=TrainingArguments(output_dir=str(out_dir), **common),
                      train_dataset=Sequences())  # fmt: skip
@@ -113,6 +118,15 @@ def part_trainer(args: argparse.Namespace) -> dict[str, Any]:
         reloaded = LlamaForCausalLM.from_pretrained(str(final))
         result["reload_max_diff"] = (probe_logits(reloaded) - trained).abs().max().item()
         result["saved_files"] = sorted(p.name for p in final.iterdir())
+        from safetensors.torch import load_file
+
+        saved = load_file(final / "model.safetensors")
+        result["saved_dtypes"] = sorted({str(t.dtype) for t in saved.values()})
+        result["saved_keys_missing"] = sorted(set(masters) - set(saved))
+        result["saved_vs_bf16_masters"] = max(
+            (saved[k].float() - masters[k].to(torch.bfloat16).float()).abs().max().item() for k in saved
+        )
+        result["saved_vs_fp32_masters"] = max((saved[k].float() - masters[k]).abs().max().item() for k in saved)
         result["checkpoint_files"] = sorted(p.name for p in (out_dir / "checkpoint-5").iterdir())
     return result
 
