@@ -46,6 +46,7 @@ def test_save_model_gathers_on_every_rank_and_writes_on_the_saving_rank_only(ran
     monkeypatch.setattr(
         ds_plugin.peft_adapters, "full_state_dict", lambda engine, **kw: gathered.append(engine) or full
     )
+    monkeypatch.setattr(ds_plugin.peft_adapters, "saved_weights_dtype", lambda engine: None)
     module = types.ModuleType("stand_in_trainer")
     module.Trainer = type("Trainer", (_Trainer,), {})
     hf._hook_trainer(module)
