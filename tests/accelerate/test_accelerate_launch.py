@@ -79,7 +79,7 @@ def two_processes(workdir: Path) -> dict[str, Any]:
         _train("ddp", "plain"),
         _train("zero2", str(EXAMPLES / "zero2.json")),
         _train("zero3", str(EXAMPLES / "zero3.json"), "--save-state-at", "3", "--output-dir", str(workdir / "zero3")),
-        _train("zeropp", str(EXAMPLES / "zeropp.json")),
+        _train("zeropp", str(EXAMPLES / "zeropp.json"), "--output-dir", str(workdir / "zeropp")),
     ]
     return launch(workdir, "two_processes", runs, processes=2, timeout=420)
 
@@ -192,13 +192,23 @@ def test_get_state_dict_loads_with_from_pretrained(workdir: Path, zero3: dict[st
         torch.testing.assert_close(value, full[key], rtol=0, atol=0)
 
 
-def test_zeropp_bf16_trains_close_to_ddp(zeropp: dict[str, Any], ddp: dict[str, Any]) -> None:
+def test_zeropp_bf16_trains_close_to_ddp(workdir: Path, zeropp: dict[str, Any], ddp: dict[str, Any]) -> None:
+    import torch
+    from safetensors.torch import load_file
+
     assert "ZeRO stage 3 + qwZ, qgZ on 2 ranks: compute bf16" in zeropp["output"]
     losses = zeropp["losses"]
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.3
     assert losses != ddp["losses"]  # quantized collectives and bf16: close, not equal
     assert losses[-1] == pytest.approx(ddp["losses"][-1], rel=0.05)
+    # The JSON sets stage3_gather_16bit_weights_on_model_save: `get_state_dict` (into save_pretrained) and
+    # `save_model` both write the weights in bf16, the same weights.
+    pretrained = load_file(workdir / "zeropp" / "model" / "model.safetensors")
+    saved = load_file(workdir / "zeropp" / "save_model" / "model.safetensors")
+    assert pretrained.keys() == saved.keys() and len(saved) > 10
+    assert {t.dtype for t in [*saved.values(), *pretrained.values()]} == {torch.bfloat16}
+    assert all(torch.equal(saved[k], pretrained[k]) for k in saved)
 
 
 def test_fp8_from_accelerate_mixed_precision_in_one_process(one_process: dict[str, Any]) -> None:
