@@ -54,7 +54,11 @@ TOP_LEVEL_IGNORED = {
     "sparse_gradients": DS_RUNTIME_ONLY,
     "amp": "use fp16 or bf16 instead of apex AMP",
     "torch_autocast": "use fp16 or bf16; precision plugins set autocast",
-    "activation_checkpointing": "use your framework's activation checkpointing",
+    "activation_checkpointing": (
+        "the engine does not read it (nor does DeepSpeed's): a script's `deepspeed.checkpointing.configure(None, "
+        "deepspeed_config=...)` does (ds_plugin.deepspeed.checkpointing); or use your framework's activation "
+        "checkpointing"
+    ),
     "flops_profiler": DS_RUNTIME_ONLY,
     "tensorboard": "logging belongs to the framework",
     "wandb": "logging belongs to the framework",
