@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from tqdm import tqdm
 
 from ds_plugin.checkpoint import CheckpointError, load_full_state_dict, read_checkpoint_info
+from ds_plugin.checkpoint.engine_state import FROZEN_EXCLUDED
 from ds_plugin.checkpoint.safetensors_files import safetensors_header, write_tensor_data
 from ds_plugin.runtime.comms_logger import fmt_bytes
 
@@ -91,6 +92,13 @@ def _plan(metadata: Metadata, extra: dict[str, Any], ckpt_dir: Any, dtype: torch
     }
     if not stored:
         raise CheckpointError(f"checkpoint {ckpt_dir} holds no model tensors")
+    missing = extra.get(FROZEN_EXCLUDED)
+    if missing:  # a model without its base would load as a broken one
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} was saved without its {len(missing)} frozen weights (exclude_frozen_parameters), "
+            "so it holds no whole model to export; export a checkpoint saved with them, or save the adapter itself "
+            "(save_adapter, or the Trainer's save_model)"
+        )
 
     def cast(t: torch.dtype) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point else t

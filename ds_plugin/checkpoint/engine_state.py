@@ -43,7 +43,11 @@ from ds_plugin.checkpoint.metadata import export_metadata, strip_prefix, without
 if TYPE_CHECKING:
     from ds_plugin.zero.engine import ZeroEngine
 
-__all__ = ["LoadedCheckpoint", "client_json", "load_engine_checkpoint", "save_engine_checkpoint"]
+__all__ = ["FROZEN_EXCLUDED", "LoadedCheckpoint", "client_json", "frozen_keys", "load_engine_checkpoint",
+           "save_engine_checkpoint"]  # fmt: skip
+
+#: `extra` key: the names of the frozen weights a checkpoint was saved without (`exclude_frozen`).
+FROZEN_EXCLUDED = "frozen_excluded"
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,18 @@ class LoadedCheckpoint:
     """The engine API's `client_state` (empty when the saver passed none)."""
     framework_state: dict[str, Any]
     """The framework's state (empty when the saver passed none)."""
+
+
+def frozen_keys(module: torch.nn.Module, model_state: dict[str, Any]) -> set[str]:
+    """The keys of `model_state` that hold parameters of `module` that do not require grad (a quantized frozen
+    weight's components, ``<name>.codes``, ..., included); buffers are not parameters and are never among them.
+
+    Args:
+        module: the engine's model.
+        model_state: its state dict, as `ZeroEngine.model_state_dict` gives it.
+    """
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k for k in model_state if k in frozen or k.rpartition(".")[0] in frozen}
 
 
 def client_json(client_state: dict[str, Any] | None) -> dict[str, Any]:
@@ -102,6 +118,7 @@ def save_engine_checkpoint(
     optimizer_state: dict[str, Any] | None = None,
     client_state: dict[str, Any] | None = None,
     framework_state: dict[str, Any] | None = None,
+    exclude_frozen: bool = False,
 ) -> Path:
     """Write the engine's checkpoint directory, replacing one of that name; a collective: every rank calls it.
 
@@ -115,6 +132,9 @@ def save_engine_checkpoint(
         client_state: the loop's own JSON (the engine API's), returned by `load_engine_checkpoint`.
         framework_state: the rest of a framework's checkpoint (epoch, loops, callbacks, schedulers ...): plain data
             that `torch.load(weights_only=True)` reads back.
+        exclude_frozen: leave out the parameters that do not require grad (a quantized one's components too), as
+            DeepSpeed's `exclude_frozen_parameters`: a LoRA checkpoint then holds the adapter, not the base. Their
+            names are recorded; a load keeps the loading model's own values for them (build it from the same base).
 
     Returns:
         The checkpoint directory.
@@ -122,9 +142,15 @@ def save_engine_checkpoint(
     meta = export_metadata(engine.module)
     if model_state is None:
         model_state = engine.model_state_dict()
+    excluded: list[str] = []
+    if exclude_frozen:
+        frozen = frozen_keys(engine.module, model_state)
+        excluded = sorted(strip_prefix(dict.fromkeys(frozen), meta.get("hf_prefix")))
+        model_state = {k: v for k, v in model_state.items() if k not in frozen}
     saved = strip_prefix(model_state, meta.get("hf_prefix"))
     if meta.get("hf_prefix") and saved is model_state:  # renaming would collide: export writes the module's names
         meta = without_hf_config(meta)
+        excluded = sorted(frozen) if exclude_frozen else []
     if not optimizer or engine.optimizer is None:
         optimizer_state = None
     elif optimizer_state is None:
@@ -134,6 +160,8 @@ def save_engine_checkpoint(
         "engine": engine.engine_state_dict(),
         "ds_config": engine.config.to_deepspeed(include_ignored=False),
     }
+    if excluded:
+        extra[FROZEN_EXCLUDED] = excluded
     if client_state is not None:
         extra["client_state"] = client_json(client_state)
     if framework_state is not None:
@@ -164,6 +192,16 @@ def load_engine_checkpoint(
     model_state = engine.model_state_dict()
     optimizer_state = engine.optimizer_state_dict() if with_optimizer else None
     saved_names = strip_prefix(model_state, extra.get("hf_prefix"))  # the same tensors, under the saved names
+    excluded = set(extra.get(FROZEN_EXCLUDED) or ())
+    if excluded:  # saved without its frozen weights: this model's own values stay, if it holds them frozen too
+        trained = sorted(excluded - set(strip_prefix(dict.fromkeys(frozen_keys(engine.module, model_state)),
+                                                     extra.get("hf_prefix"))))  # fmt: skip
+        if trained:
+            raise CheckpointError(
+                f"checkpoint {root} was saved without its frozen weights (exclude_frozen_parameters), but this model "
+                f"trains {trained[0]!r} ({len(trained)} such): freeze the same parameters as the run that saved it"
+            )
+        saved_names = {k: v for k, v in saved_names.items() if k not in excluded}
     load_checkpoint(root, model_state=saved_names, optimizer_state=optimizer_state)
     engine.load_model_state_dict(model_state)
     if optimizer_state is not None:

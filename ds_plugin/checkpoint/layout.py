@@ -109,6 +109,7 @@ def save_engine_dir(
     client_state: dict[str, Any] | None = None,
     *,
     save_latest: bool = True,
+    exclude_frozen: bool = False,
 ) -> Path:
     """`ZeroEngine.save_checkpoint`: weights, optimizer, engine counters and `client_state` to `save_dir/<tag>`."""
     root = Path(save_dir)
@@ -117,7 +118,7 @@ def save_engine_dir(
     if on_rank0():  # the run's own directory: partial saves a crash left behind (any tag) go now
         for stale in root.glob(".*.partial-*") if root.is_dir() else ():
             shutil.rmtree(stale, ignore_errors=True)
-    path = save_engine_checkpoint(root / tag, engine, client_state=client)
+    path = save_engine_checkpoint(root / tag, engine, client_state=client, exclude_frozen=exclude_frozen)
     if save_latest:
         err = None
         if on_rank0():

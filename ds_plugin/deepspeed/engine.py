@@ -141,11 +141,16 @@ class DeepSpeedEngine:
             tag: the checkpoint's name; default `global_step<N>`.
             client_state: the loop's own JSON-able state, returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at it.
-            exclude_frozen_parameters: not supported (must be False): every weight is saved.
+            exclude_frozen_parameters: leave out the weights that do not require grad (LoRA's base); loading keeps
+                the loading model's own (build it from the same base).
         """
-        if exclude_frozen_parameters:
-            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported; save every weight")
-        self.engine.save_checkpoint(save_dir, tag, client_state or {}, save_latest=save_latest)
+        self.engine.save_checkpoint(
+            save_dir,
+            tag,
+            client_state or {},
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
         return True
 
     def load_checkpoint(
@@ -164,14 +169,15 @@ class DeepSpeedEngine:
         Args:
             load_dir: the directory `save_checkpoint` wrote into.
             tag: a checkpoint name.
-            load_module_strict: must be True (every weight is loaded).
+            load_module_strict: accepted either way: a checkpoint saved with `exclude_frozen_parameters` loads
+                without its frozen weights (this model keeps its own); any other weight it lacks is a one-line error.
             load_optimizer_states: also the optimizer state and the fp16 loss scaler.
             load_lr_scheduler_states: the LR scheduler's step comes back with the step counters either way.
             load_module_only: the weights only.
             custom_load_fn: not supported (must be None).
         """
-        if not load_module_strict or custom_load_fn is not None:
-            raise ValueError("load_checkpoint: load_module_strict=False and custom_load_fn are not supported")
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint: custom_load_fn is not supported")
         path, client = self.engine.load_checkpoint(
             load_dir, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
         )

@@ -558,6 +558,7 @@ class ZeroEngine:
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> Path:
         """Save weights, optimizer, counters and `client_state` to `save_dir/<tag>`; a collective: every rank calls it.
 
@@ -568,11 +569,16 @@ class ZeroEngine:
             tag: the checkpoint's name; default `global_step<N>`.
             client_state: the loop's own state as JSON (epoch, batches consumed, ...), returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at this checkpoint.
+            exclude_frozen_parameters: leave out the weights that do not require grad (LoRA's base): the checkpoint
+                holds what training changes; `load_checkpoint` keeps the loading model's own frozen weights, so
+                build that model from the same base.
         """
         from ds_plugin.checkpoint.layout import save_engine_dir
 
         with peer_failure_guard("save_checkpoint", self.global_steps, self.resume_hint):
-            return save_engine_dir(self, save_dir, tag, client_state, save_latest=save_latest)
+            return save_engine_dir(
+                self, save_dir, tag, client_state, save_latest=save_latest, exclude_frozen=exclude_frozen_parameters
+            )
 
     def load_checkpoint(
         self,

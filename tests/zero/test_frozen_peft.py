@@ -69,7 +69,33 @@ def _train(rank: int, world: int, kind: str, fmt: str, out_dir: str) -> dict:
     plain, cast = full_state_dict(engine), full_state_dict(engine, dtype=torch.float16)
     dtypes = {k: (str(v.dtype), str(cast[k].dtype)) for k, v in plain.items()}
     same = all(torch.equal(v.to(cast[k].dtype), cast[k]) for k, v in plain.items())
-    return {"losses": losses, "logits": logits, "dtypes": dtypes, "cast_is_rounding": same}
+    result = {"losses": losses, "logits": logits, "dtypes": dtypes, "cast_is_rounding": same}
+
+    # A checkpoint without the frozen base (DeepSpeed's exclude_frozen_parameters), loaded into a new engine built from
+    # the same base with another prompt initialisation: the trained logits, and the same next step as the original.
+    ckpt = Path(out_dir).parent / f"{kind}_checkpoints"
+    engine.save_checkpoint(ckpt, tag="adapter_only", exclude_frozen_parameters=True)
+    torch.manual_seed(2)
+    resumed = initialize(peft.get_peft_model(_base(), _peft_config(kind)), cfg,
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-2))  # fmt: skip
+    resumed.load_checkpoint(ckpt)
+    with torch.no_grad():
+        result["resumed_logits"] = resumed(input_ids=_probe()).logits.detach().clone()
+    for e in (engine, resumed):
+        loss = e(input_ids=x, labels=x).loss
+        e.backward(loss)
+        e.step()
+        result.setdefault("next_losses", []).append(loss.item())
+    # A model that trains a weight the checkpoint left out cannot take it: one line, before anything loads.
+    other = peft.get_peft_model(_base(), _peft_config(kind))
+    other.base_model.model.norm.weight.requires_grad_(True)
+    other = initialize(other, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-2))
+    try:
+        other.load_checkpoint(ckpt)
+    except Exception as e:  # reported to the test
+        result["refusal"] = f"{type(e).__name__}: {e}"
+    result["checkpoint"] = str(ckpt / "adapter_only")
+    return result
 
 
 def _reload(kind: str, fmt: str, path: str) -> torch.Tensor:
@@ -144,3 +170,23 @@ def test_adapter_trained_at_zero3_on_a_quantized_base_reloads_exactly(spawned, k
     weights = {k: d for k, d in dtypes.items() if k not in components}
     assert weights and all(d == ("torch.float32", "torch.float16") for d in weights.values()), weights
     assert results[0]["cast_is_rounding"]
+
+    # exclude_frozen_parameters: only the trained weights are in the checkpoint, and it resumes exactly.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ds_plugin.checkpoint import CheckpointError, read_checkpoint_info
+    from ds_plugin.export import export_checkpoint
+
+    ckpt = results[0]["checkpoint"]
+    stored = [k for k in FileSystemReader(ckpt).read_metadata().state_dict_metadata if k.startswith("model.")]
+    excluded = read_checkpoint_info(Path(ckpt))[0]["extra"]["frozen_excluded"]
+    trainable = [name for name, p in fresh.named_parameters() if p.requires_grad]
+    assert len(stored) == len(trainable) and excluded  # the prompt's weights; the base (every component) left out
+    assert any(k.endswith(".codes") for k in excluded) and not {f"model.{k}" for k in excluded} & set(stored)
+    for r in results:
+        torch.testing.assert_close(r["resumed_logits"], r["logits"], rtol=0, atol=0)
+        assert r["next_losses"][0] == r["next_losses"][1]  # optimizer state and counters came back too
+        assert r["refusal"].startswith("CheckpointError: ") and "was saved without its frozen weights" in r["refusal"]
+        assert "\n" not in r["refusal"]
+    with pytest.raises(CheckpointError, match=r"saved without its \d+ frozen weights"):
+        export_checkpoint(ckpt, str(workdir / "export"))
