@@ -33,16 +33,20 @@ ENGINE_DIR = "ds_plugin_engine"
 """The engine's sub-directory of an `accelerator.save_state` folder (and of an HF Trainer checkpoint)."""
 
 
-def save_engine_state(output_dir: str | os.PathLike, engine: ZeroEngine, *, optimizer: bool = True) -> Path:
+def save_engine_state(
+    output_dir: str | os.PathLike, engine: ZeroEngine, *, optimizer: bool = True, exclude_frozen: bool = False
+) -> Path:
     """Write the engine's weights, optimizer state and counters under `output_dir`; every rank must call it.
 
     Args:
         output_dir: the `save_state` folder (the same path on every rank).
         engine: the engine training the prepared model.
         optimizer: include the optimizer state (when the engine has an optimizer).
+        exclude_frozen: leave out the weights that do not require grad (a peft model's base), as the HF Trainer
+            does with DeepSpeed for peft models; loading keeps the model's own.
     """
     path = Path(output_dir) / ENGINE_DIR
-    save_engine_checkpoint(path, engine, optimizer=optimizer)
+    save_engine_checkpoint(path, engine, optimizer=optimizer, exclude_frozen=exclude_frozen)
     return path
 
 

@@ -209,7 +209,9 @@ def _hook_trainer(module: ModuleType) -> None:
             engine = _engine(self)
             if engine is None:
                 return original(self, output_dir)
-            save_engine_state(output_dir, engine)
+            # A peft model's checkpoint holds the adapter and its optimizer state, not the frozen base: what the
+            # Trainer asks of DeepSpeed (`exclude_frozen_parameters=True`); resuming keeps the base it was built with.
+            save_engine_state(output_dir, engine, exclude_frozen=_is_peft(self.model))
             if self.args.should_save and self.lr_scheduler is not None:
                 import torch
 

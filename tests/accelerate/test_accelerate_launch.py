@@ -269,6 +269,9 @@ def test_trl_dpo_with_lora(hf: dict[str, Any]) -> None:
     assert values[0] == pytest.approx(math.log(2), abs=2e-3)
     assert "adapter_model.safetensors" in part["saved_files"]
     assert part["reload_max_diff"] < 1e-2 < part["base_max_diff"]  # the adapter reloads, and it matters
+    # Its Trainer checkpoint: the LoRA weights (and their optimizer state), none of the INT8 base.
+    assert len(part["checkpoint_model_keys"]) == len(part["trainable"]) > 0
+    assert all("lora_" in k for k in part["checkpoint_model_keys"]) and part["checkpoint_frozen_excluded"] > 0
 
 
 def test_model_first_then_optimizer_fp16_stage1(one_process: dict[str, Any]) -> None:

@@ -148,6 +148,8 @@ def part_dpo(args: argparse.Namespace) -> dict[str, Any]:
     trainer = DPOTrainer(model=llama(), args=config, train_dataset=Dataset.from_dict(rows),
                          processing_class=tokenizer(), peft_config=lora)  # fmt: skip
     trainer.train()
+    # A Trainer checkpoint of a peft model holds the adapter, not the frozen base (as with DeepSpeed).
+    trainer._save_optimizer_and_scheduler(str(out_dir / "checkpoint"))
     adapter = out_dir / "adapter"
     trainer.save_model(str(adapter))
     trained = probe_logits(trainer.model)
@@ -158,6 +160,14 @@ def part_dpo(args: argparse.Namespace) -> dict[str, Any]:
         base_diff = (probe_logits(llama()) - trained).abs().max().item()
         result["base_max_diff"] = base_diff  # the adapter must have changed the model
         result["saved_files"] = sorted(p.name for p in adapter.iterdir())
+        from torch.distributed.checkpoint import FileSystemReader
+
+        engine_dir = out_dir / "checkpoint" / "ds_plugin_engine"
+        stored = FileSystemReader(str(engine_dir)).read_metadata().state_dict_metadata
+        result["checkpoint_model_keys"] = sorted(k for k in stored if k.startswith("model."))
+        result["trainable"] = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+        extra = json.loads((engine_dir / "ds_plugin_checkpoint.json").read_text())["extra"]
+        result["checkpoint_frozen_excluded"] = len(extra.get("frozen_excluded", []))
     return result
 
 
