@@ -272,6 +272,7 @@ def test_trl_dpo_with_lora(hf: dict[str, Any]) -> None:
     # Its Trainer checkpoint: the LoRA weights (and their optimizer state), none of the INT8 base.
     assert len(part["checkpoint_model_keys"]) == len(part["trainable"]) > 0
     assert all("lora_" in k for k in part["checkpoint_model_keys"]) and part["checkpoint_frozen_excluded"] > 0
+    assert part["checkpoint_reload_diff"] == 0.0  # loaded back through the Trainer's resume hook
 
 
 def test_model_first_then_optimizer_fp16_stage1(one_process: dict[str, Any]) -> None:

@@ -154,6 +154,8 @@ def part_dpo(args: argparse.Namespace) -> dict[str, Any]:
     trainer.save_model(str(adapter))
     trained = probe_logits(trainer.model)
     result: dict[str, Any] = {"losses": losses(trainer), "model": type(trainer.model).__name__, **engine_info(trainer)}
+    trainer._load_optimizer_and_scheduler(str(out_dir / "checkpoint"))  # the resume path: the base stays as built
+    result["checkpoint_reload_diff"] = (probe_logits(trainer.model) - trained).abs().max().item()
     if dist.get_rank() == 0:
         reloaded = PeftModel.from_pretrained(llama(), str(adapter))
         result["reload_max_diff"] = (probe_logits(reloaded) - trained).abs().max().item()
