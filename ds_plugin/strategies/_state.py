@@ -75,7 +75,7 @@ class ZeroStrategyState:
         # Lightning's default is torch's 30 minutes; a dead or frozen rank should end the job sooner.
         framework.setdefault("timeout", default_timeout())
         overrides = {k: v for k, v in kwargs.items() if k not in self._FRAMEWORK_ARGS}
-        options = ("config", "block_types", "sync_module_states", *self._FRAMEWORK_ARGS)
+        options = ("config", "block_types", "sync_module_states", "exclude_frozen_parameters", *self._FRAMEWORK_ARGS)
         self._config = load_config(config, overrides, owner=type(self).__name__, options=options)
         self._block_types = block_types
         self._sync_module_states = sync_module_states

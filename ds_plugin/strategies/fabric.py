@@ -53,6 +53,8 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
         config: a preset name, a DeepSpeed .json/.yaml path, a dict, or a `TrainingConfig`.
         block_types: module classes or names to shard separately; default the transformers models' blocks.
         sync_module_states: start every rank from rank 0's weights, as DDP does.
+        exclude_frozen_parameters: checkpoints leave out the weights that do not require grad (a LoRA run's base),
+            as Lightning's DeepSpeed strategy does; resuming keeps the model's own, so build it from the same base.
         kwargs: Lightning's strategy arguments (`process_group_backend`: default "gloo" on CPU, "nccl" on CUDA;
             `timeout`: the process group's collective timeout, default 10 minutes (`DS_PLUGIN_TIMEOUT`
             seconds), not torch's 30; `accelerator`, `parallel_devices`, `cluster_environment`,
@@ -78,9 +80,11 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
         *,
         block_types: Any = None,
         sync_module_states: bool = True,
+        exclude_frozen_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**self._init_zero_state(config, kwargs, block_types, sync_module_states))
+        self._exclude_frozen = bool(exclude_frozen_parameters)
         self._backward_sync_control = self
 
     precision = zero_precision_property("_precision")
@@ -225,6 +229,7 @@ class ZeroFabricStrategy(ZeroStrategyState, DDPStrategy, _BackwardSyncControl):
             self.broadcast(str(path)),
             self.engine,
             optimizer=bool(optims),
+            exclude_frozen=self._exclude_frozen,
             framework_state={"state": stateful, "model_keys": models, "optimizer_keys": optims},
         )
 

@@ -50,6 +50,8 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         block_types: module classes or names to shard as separate units; default the transformers models'
             `_no_split_modules`, else the repeated children of `nn.ModuleList`s.
         sync_module_states: start every rank from rank 0's weights, as DDP does.
+        exclude_frozen_parameters: checkpoints leave out the weights that do not require grad (a LoRA run's base),
+            as Lightning's DeepSpeed strategy does; resuming keeps the model's own, so build it from the same base.
         kwargs: Lightning's strategy arguments (`process_group_backend`: default "gloo" on CPU, "nccl" on CUDA;
             `timeout`: the process group's collective timeout, default 10 minutes (`DS_PLUGIN_TIMEOUT`
             seconds), not torch's 30; `accelerator`, `parallel_devices`, `cluster_environment`,
@@ -78,9 +80,11 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
         *,
         block_types: Any = None,
         sync_module_states: bool = True,
+        exclude_frozen_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**self._init_zero_state(config, kwargs, block_types, sync_module_states))
+        self._exclude_frozen = bool(exclude_frozen_parameters)
 
     precision_plugin = zero_precision_property("_precision_plugin")
 
@@ -242,6 +246,7 @@ class ZeroStrategy(ZeroStrategyState, DDPStrategy):
             optimizer=optimizer_state is not None,
             model_state=model_state,
             optimizer_state=optimizer_state,
+            exclude_frozen=self._exclude_frozen,
             framework_state=checkpoint,
         )
 

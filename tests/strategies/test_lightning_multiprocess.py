@@ -160,6 +160,10 @@ def test_lora_zeropp_adapter_reloads(suite: dict[str, Any]) -> None:
     assert lora["base_changed"] == 0.0  # the frozen base did not move
     assert lora["reloaded_adapter_diff"] == 0.0
     assert lora["logits_diff"] < 1e-5
+    # exclude_frozen_parameters: the checkpoint holds the LoRA weights only; restored onto the same base it is the
+    # trained model, bit for bit.
+    assert len(lora["checkpoint_model_keys"]) == 4 and all("lora_" in k for k in lora["checkpoint_model_keys"])
+    assert lora["restored_global_step"] == 8 and lora["restored_diff"] == 0.0
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])

@@ -1,6 +1,8 @@
 """A peft LoRA GPT-2 inside a LightningModule, trained with `strategy="zeropp"` on 2 CPU ranks; its adapter is
 gathered with `ZeroStrategy.full_state_dict(..., trainable_only=True)`, saved with peft's `save_pretrained` and
-reloaded onto a fresh base model, which must reproduce the trained model's logits.
+reloaded onto a fresh base model, which must reproduce the trained model's logits. The strategy saves checkpoints
+without the frozen base (`exclude_frozen_parameters=True`); one restored into a new module on the same base gives the
+trained weights.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from _tiny_lightning import SEQ, VOCAB, CausalLM, LossRecorder, hf_model, max_diff, rank, run, token_loader, trainer
+from torch.distributed.checkpoint import FileSystemReader
+
+from ds_plugin.strategies.lightning import ZeroStrategy
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -26,11 +31,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     module = CausalLM(_lora(hf_model("gpt2", seed=0)), lr=2e-2)
     recorder = LossRecorder()
-    t = trainer("zeropp", max_steps=8, callbacks=[recorder])
+    t = trainer(ZeroStrategy("zeropp", exclude_frozen_parameters=True), max_steps=8, callbacks=[recorder])
     t.fit(module, token_loader(n=32))
     cfg = t.strategy.config
     adapter = t.strategy.full_state_dict(module.model, trainable_only=True)
     full = t.strategy.full_state_dict(module.model)
+    # A checkpoint without the frozen base, restored into a new module built on the same base: the trained model.
+    ckpt = args.workdir / "lora.ckpt"
+    t.save_checkpoint(ckpt)
+    again = CausalLM(_lora(hf_model("gpt2", seed=0)), lr=2e-2)  # the same base, its LoRA as initialised (B = 0)
+    t2 = trainer(ZeroStrategy("zeropp", exclude_frozen_parameters=True), max_steps=8)
+    t2.fit(again, token_loader(n=32), ckpt_path=ckpt)  # restores step 8 of 8: nothing left to train
+    restored = t2.strategy.full_state_dict(again.model)
     out: dict[str, Any] = {
         "losses": recorder.losses,
         "stage": cfg.stage,
@@ -38,6 +50,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "qwz": cfg.zero_optimization.zero_quantized_weights,
         "qgz": cfg.zero_optimization.zero_quantized_gradients,
         "adapter_keys": sorted(adapter),
+        "restored_global_step": t2.global_step,
     }
     if rank() != 0:
         return out
@@ -62,6 +75,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             if k.removeprefix("base_model.model.").replace(".base_layer", "") in fresh_base
         ),
         logits_diff=logits_diff,
+        restored_diff=max_diff(restored, full),
+        checkpoint_model_keys=sorted(
+            k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")
+        ),
     )
     return out
 
