@@ -128,12 +128,17 @@ class EngineCheckpointing:
         Args:
             output_dir: the folder (or None with automatic checkpoint naming).
             safe_serialization: for Accelerate's own files.
-            kwargs: Accelerate's `save_model_func_kwargs`.
+            kwargs: Accelerate's `save_model_func_kwargs`; `exclude_frozen_parameters=True` (which Accelerate hands on
+                to DeepSpeed's `save_checkpoint`) leaves the weights that do not require grad out of the engine's
+                checkpoint (a LoRA run's base; `load_state` keeps the model's own).
         """
         engine = self._engine
         if engine is None:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        handle = self.register_save_state_pre_hook(lambda _models, _weights, out: save_engine_state(out, engine))
+        exclude = bool(kwargs.pop("exclude_frozen_parameters", False))
+        handle = self.register_save_state_pre_hook(
+            lambda _models, _weights, out: save_engine_state(out, engine, exclude_frozen=exclude)
+        )
         try:
             with self._without_engine_objects():
                 return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)

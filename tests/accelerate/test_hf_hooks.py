@@ -55,3 +55,37 @@ def test_save_model_gathers_on_every_rank_and_writes_on_the_saving_rank_only(ran
     trainer.save_model("adapter")
     assert gathered == ["engine"]  # the gather is a collective: every rank joins it
     assert trainer.saved == ([("adapter", full)] if rank == 0 else [])
+
+
+def test_save_state_hands_exclude_frozen_parameters_to_the_engine_checkpoint(monkeypatch, tmp_path):
+    # Accelerate passes save_state's extra keywords on to DeepSpeed's save_checkpoint; this one is the engine's.
+    from ds_plugin.accelerate import checkpoint
+
+    saved = []
+    monkeypatch.setattr(checkpoint, "save_engine_state", lambda out, engine, **kw: saved.append((out, engine, kw)))
+
+    class AccelerateStandIn:
+        def __init__(self) -> None:
+            self.hooks, self.kwargs = [], None
+
+        def register_save_state_pre_hook(self, hook):
+            self.hooks.append(hook)
+            return types.SimpleNamespace(remove=lambda: self.hooks.remove(hook))
+
+        def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
+            self.kwargs = kwargs
+            for hook in list(self.hooks):
+                hook([], [], output_dir)
+            return output_dir
+
+    class Accelerator(checkpoint.EngineCheckpointing, AccelerateStandIn):
+        def __init__(self) -> None:
+            super().__init__()
+            self._engine, self._models, self._optimizers = types.SimpleNamespace(module=object()), [], []
+
+    accelerator = Accelerator()
+    accelerator.save_state(str(tmp_path), exclude_frozen_parameters=True, other=1)
+    assert saved == [(str(tmp_path), accelerator._engine, {"exclude_frozen": True})]
+    assert accelerator.kwargs == {"other": 1} and not accelerator.hooks
+    accelerator.save_state(str(tmp_path))
+    assert saved[-1][2] == {"exclude_frozen": False}
