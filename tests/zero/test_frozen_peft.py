@@ -1,7 +1,9 @@
 """peft prompt learning on a quantized frozen base under ZeRO-3: P-Tuning v1 and prefix tuning (P-Tuning v2).
 
 Both runs train in one spawn of 2 gloo ranks, each saving its adapter with `save_adapter`; the test process reloads
-each onto a fresh base, stores that base in the same format, and must reproduce the trained model's logits.
+each onto a fresh base, stores that base in the same format, and must reproduce the trained model's logits. The same
+spawn checks that a 16-bit cast of the whole model leaves the quantized base's components alone, and that a checkpoint
+saved without the frozen base (`exclude_frozen_parameters`) resumes exactly into a new engine built on the same base.
 """
 
 from __future__ import annotations
