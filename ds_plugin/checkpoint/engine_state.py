@@ -74,6 +74,12 @@ def frozen_keys(module: torch.nn.Module, model_state: dict[str, Any]) -> set[str
     return {k for k in model_state if k in frozen or k.rpartition(".")[0] in frozen}
 
 
+def _frozen_saved_names(engine: ZeroEngine, model_state: dict[str, Any], saved: dict[str, Any]) -> set[str]:
+    """`frozen_keys` under the names the checkpoint stores them by (`saved`: `model_state` renamed, in its order)."""
+    frozen = frozen_keys(engine.module, model_state)
+    return {name for key, name in zip(model_state, saved, strict=True) if key in frozen}
+
+
 def client_json(client_state: dict[str, Any] | None) -> dict[str, Any]:
     """`client_state` as plain JSON, or one line saying why it is not.
 
@@ -142,15 +148,11 @@ def save_engine_checkpoint(
     meta = export_metadata(engine.module)
     if model_state is None:
         model_state = engine.model_state_dict()
-    excluded: list[str] = []
-    if exclude_frozen:
-        frozen = frozen_keys(engine.module, model_state)
-        excluded = sorted(strip_prefix(dict.fromkeys(frozen), meta.get("hf_prefix")))
-        model_state = {k: v for k, v in model_state.items() if k not in frozen}
     saved = strip_prefix(model_state, meta.get("hf_prefix"))
     if meta.get("hf_prefix") and saved is model_state:  # renaming would collide: export writes the module's names
         meta = without_hf_config(meta)
-        excluded = sorted(frozen) if exclude_frozen else []
+    excluded = _frozen_saved_names(engine, model_state, saved) if exclude_frozen else set()
+    saved = {k: v for k, v in saved.items() if k not in excluded}
     if not optimizer or engine.optimizer is None:
         optimizer_state = None
     elif optimizer_state is None:
@@ -161,7 +163,7 @@ def save_engine_checkpoint(
         "ds_config": engine.config.to_deepspeed(include_ignored=False),
     }
     if excluded:
-        extra[FROZEN_EXCLUDED] = excluded
+        extra[FROZEN_EXCLUDED] = sorted(excluded)
     if client_state is not None:
         extra["client_state"] = client_json(client_state)
     if framework_state is not None:
@@ -194,8 +196,7 @@ def load_engine_checkpoint(
     saved_names = strip_prefix(model_state, extra.get("hf_prefix"))  # the same tensors, under the saved names
     excluded = set(extra.get(FROZEN_EXCLUDED) or ())
     if excluded:  # saved without its frozen weights: this model's own values stay, if it holds them frozen too
-        trained = sorted(excluded - set(strip_prefix(dict.fromkeys(frozen_keys(engine.module, model_state)),
-                                                     extra.get("hf_prefix"))))  # fmt: skip
+        trained = sorted(excluded - _frozen_saved_names(engine, model_state, saved_names))
         if trained:
             raise CheckpointError(
                 f"checkpoint {root} was saved without its frozen weights (exclude_frozen_parameters), but this model "

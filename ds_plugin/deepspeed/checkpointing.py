@@ -60,15 +60,6 @@ KEYS: dict[str, str | None] = {
     "synchronize_checkpoint_boundary": None,
     "profile": "it times DeepSpeed's own checkpoint code",
 }
-# `configure`'s arguments -> the block's key each one overrides.
-_ARGUMENTS = {
-    "partition_activations": "partition_activations",
-    "contiguous_checkpointing": "contiguous_memory_optimization",
-    "num_checkpoints": "number_checkpoints",
-    "checkpoint_in_cpu": "cpu_checkpointing",
-    "synchronize": "synchronize_checkpoint_boundary",
-    "profile": "profile",
-}
 _NO_MODEL_PARALLEL = "tensor and pipeline parallelism are not part of ds_plugin"
 
 
@@ -105,15 +96,15 @@ def configure(
     if mpu_ is not None:
         raise ValueError(f"deepspeed.checkpointing.configure: mpu_ must be None ({_NO_MODEL_PARALLEL})")
     values = dict(_block(deepspeed_config))
-    given = {
+    given = {  # the block's key each argument overrides
         "partition_activations": partition_activations,
-        "contiguous_checkpointing": contiguous_checkpointing,
-        "num_checkpoints": num_checkpoints,
-        "checkpoint_in_cpu": checkpoint_in_cpu,
-        "synchronize": synchronize,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
         "profile": profile,
     }
-    values.update({_ARGUMENTS[name]: value for name, value in given.items() if value is not None})
+    values.update({key: value for key, value in given.items() if value is not None})
     for key, value in values.items():
         _check(key, value)
     ignored = {key: KEYS[key] for key, value in values.items() if KEYS[key] is not None and value}
@@ -165,8 +156,12 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
         args: its positional arguments (tensors and anything else).
     """
     _boundary()
-    offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-    with offload if _SETTINGS.cpu_checkpointing else contextlib.nullcontext():
+    offload = (
+        torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        if _SETTINGS.cpu_checkpointing
+        else contextlib.nullcontext()
+    )
+    with offload:
         outputs = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     _boundary()
     return outputs
