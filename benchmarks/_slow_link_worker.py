@@ -262,6 +262,12 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         cpu_s_per_step_by_rank=[round(statistics.median(ts), 3) for ts in raw["cpu_times_by_rank"]],
         cross_node_mb_per_step_by_node=[round(b / steps / 1e6, 2) for b in raw["cross_node_tx_bytes_by_node"]],
     )
+    if "timed_window_monotonic" in raw:
+        # The whole timed window per step, the barriers that open each step included: `step_s` leaves those out,
+        # so work a change starts across the step boundary (a gather for the next forward issued in `step()`) would
+        # shorten `step_s` without shortening training. For code that does not, the two agree.
+        start, end = raw["timed_window_monotonic"]
+        out["window_s_per_step"] = round((end - start) / steps, 4)
     if "phases_by_rank" in raw:
         # Where each rank's step went: median wall and CPU seconds of its forward, backward and `step()`. A phase whose
         # CPU seconds, summed over the ranks and spread over the cores, come near its wall time is bound by the cores.

@@ -351,7 +351,8 @@ def _print_text(report: dict[str, Any]) -> None:
     for name, entry in report["configs"].items():
         if "step_s" in entry:
             mb, bound = entry["cross_node_mb_per_step_by_node"], entry.get("bound_by")
-            print(f"{name:>16}: {entry['step_s']:7.3f} s/step, {mb} MB/step across per node, {bound}-bound")
+            window = f" (whole window {entry['window_s_per_step']:.3f} s/step)" if "window_s_per_step" in entry else ""
+            print(f"{name:>16}: {entry['step_s']:7.3f} s/step{window}, {mb} MB/step across per node, {bound}-bound")
             if entry.get("phase_s_by_rank"):
                 walls, cpus = entry["phase_s_by_rank"], entry["phase_cpu_s_by_rank"]
                 split = ", ".join(f"{k} {max(walls[k]):.3f} / {sum(cpus[k]):.3f} s" for k in walls)

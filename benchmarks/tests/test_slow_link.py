@@ -101,9 +101,11 @@ def test_summarize_takes_the_slowest_rank_per_step():
             for rank in range(2)
         ],
         "losses": [1.0],
+        "timed_window_monotonic": [100.0, 107.5],
     }
     out = summarize(raw)
     assert out["step_s"] == 2.5 and out["step_s_min"] == 1.5 and out["step_s_max"] == 3.0
+    assert out["window_s_per_step"] == 2.5  # 7.5 s over 3 steps, the untimed barriers included
     assert out["cross_node_mb_per_step_by_node"] == [1.0, 2.0]
     assert out["cpu_s_per_step_by_rank"] == [0.5, 0.3]
     # Medians over the steps, per rank and phase; the raw lists are not reported.
