@@ -29,6 +29,12 @@ import pytest
 
 _break.install()  # DS_PLUGIN_TEST_NOOP_STEP=1 makes every optimizer step a no-op (tests/_break.py)
 
+# No test reaches the Hugging Face Hub: models are built from configs and data ships in the repository. Offline mode
+# makes that hold for the libraries too: on a CPU with AVX512-bf16, importing bitsandbytes (0.50) otherwise looks a
+# kernel up on the hub (its CPU backend's `get_kernel`). Set before anything imports huggingface_hub, which reads it
+# once; ranks started by tests inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n N`: the workers share the cores instead of each taking them all
     import torch
 
