@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +64,9 @@ def _exit_code(exc: SystemExit) -> int:
 def _cmd_env(args: argparse.Namespace) -> int:
     from ds_plugin.env import collect_env, format_env
 
+    # A report reaches no network: importing bitsandbytes (0.50) on a CPU with AVX512-bf16 would look a kernel up on
+    # the Hugging Face Hub. This process only, and only unless the user set it.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = collect_env()
     print(json.dumps(report, indent=2) if args.json else format_env(report))
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import platform
 from typing import Any
@@ -108,8 +109,18 @@ def collect_env() -> dict[str, Any]:
     triton_ok = importlib.util.find_spec("triton") is not None
 
     def bnb_backend():
-        import bitsandbytes  # noqa: F401  (importing reports a broken native library)
-
+        # Importing reports a broken native library. On AVX512-bf16 CPUs bitsandbytes' CPU backend also looks an
+        # optional kernel up on the hub (through `kernels`), and both log a warning when it cannot (offline): not a
+        # fault of the library, so not printed here.
+        quiet = [logging.getLogger(name) for name in ("bitsandbytes", "kernels")]
+        levels = [log.level for log in quiet]
+        for log in quiet:
+            log.setLevel(logging.ERROR)
+        try:
+            import bitsandbytes  # noqa: F401
+        finally:
+            for log, level in zip(quiet, levels, strict=True):
+                log.setLevel(level)
         return True
 
     caps = {
