@@ -51,6 +51,7 @@ RELEASE_FILES = (
     "zero/test_gather_schedule.py",  # prefetch lists, kept blocks (post_forward_mesh_info), FSDP2's param groups
     "zero/test_gloo_comm.py",  # FSDP2 custom collectives on gloo, FSDP2's cast buffer
     "quant/comm/test_fused.py",  # the compiled quantizer steps, bit for bit: inductor's code generation differs
+    "quant/frozen/test_fused_decode.py",  # the compiled frozen-weight decode, bit for bit, likewise
 )
 # Any test file whose name holds one of these is `release`, wherever it lives (checkpoint save/load over DCP).
 RELEASE_NAME_WORDS = ("checkpoint", "resume")

@@ -52,7 +52,9 @@ from ds_plugin.quant.comm.format import (
 
 __all__ = [
     "COMPILE_MIN_NUMEL",
+    "bf16_bits",
     "compile_report",
+    "compiled_step",
     "dequantize_rows_into",
     "dequantize_sum_rows",
     "quantize_rows",
@@ -337,6 +339,22 @@ def use_compiled(t: Tensor) -> bool:
     if setting in ("0", "false", "off"):
         return False
     return setting in ("1", "true", "on") or t.numel() >= COMPILE_MIN_NUMEL
+
+
+def compiled_step(fn: Callable, static_dims: tuple[tuple[int, tuple[int, ...]], ...]) -> Callable:
+    """`fn` compiled as this module compiles its own steps, for a CPU step elsewhere (the frozen-weight decode).
+
+    Dynamic shapes with `static_dims` ((argument, dims) pairs) marked static; the eager `fn` after a failed compile,
+    with one warning; listed by `compile_report`. `fn`'s name must be unique among compiled steps.
+    """
+    _STATIC_DIMS.setdefault(fn.__name__, static_dims)
+    return _compiled(fn)
+
+
+def bf16_bits(x: Tensor) -> Tensor:
+    """fp32 `x` rounded to bf16 (as ``.to(torch.bfloat16)`` rounds), as the int32 bits of its fp32 value; see
+    `_bf16_bits`. Compiled code needs it where inductor would drop a round trip through bf16."""
+    return _bf16_bits(x)
 
 
 @functools.cache

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ds_plugin.quant.comm.format import FLOAT_DTYPES, QMAX, round_up_to_bf16, scale_cap
 from ds_plugin.quant.frozen import fp6
+from ds_plugin.quant.frozen.fused import dequantize_into
 from ds_plugin.quant.frozen.int4_search import ZERO_STEPS as _ZERO_STEPS
 from ds_plugin.quant.frozen.int4_search import Chunks, int4_search
 
@@ -209,6 +210,8 @@ def dequantize_weight(parts: dict[str, Tensor], fmt: str, group_size: int, dtype
     else:
         factors = (_part(parts, "scales", per_group).float(),)
     out = torch.empty((n_rows, k), dtype=dtype, device=codes.device)
+    if fmt != "fp6" and dequantize_into(out, codes, factors, fmt, group_size, NF4_CODEBOOK if fmt == "nf4" else None):
+        return out  # on a CPU, compiled: one pass, the same bits (`ds_plugin.quant.frozen.fused`)
     step = max(1, _PACK_ELEMENTS["cpu" if codes.device.type == "cpu" else "device"] // k)
     for start in range(0, n_rows, step):
         end = min(n_rows, start + step)
