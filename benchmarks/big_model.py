@@ -169,6 +169,7 @@ def _zero_rank(rank: int, world: int, *, path: str, fmt: str, seq: int, steps: i
     from transformers import LlamaForCausalLM  # noqa: F401
 
     stats = LoadStats()
+    torch.manual_seed(0)  # LoRA's A matrices are drawn at random: the same in every run, so runs compare loss for loss
     start = time.perf_counter()
     load_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = load_pretrained(path, config, peft_config=_lora_config(), dtype=load_dtype, stats=stats)
