@@ -75,8 +75,14 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "ds_plugin/quant/comm/fused.py",
         forbid=("ds_plugin",),
-        allow=(FORMAT,),
-        why="the torch backend sits on the format only; it never reaches for the dispatch",
+        allow=(FORMAT, "ds_plugin.quant.cpu_compile"),
+        why="the torch backend sits on the format and the compile rule only; it never reaches for the dispatch",
+    ),
+    Rule(
+        "ds_plugin/quant/cpu_compile.py",
+        forbid=(EVERYTHING,),
+        allow=("torch", STDLIB),
+        why="the compile rule serves the collectives and frozen storage alike: it imports only torch",
     ),
     Rule("ds_plugin/quant/__init__.py", forbid=("ds_plugin",), why="the quant package root imports nothing of ours"),
     Rule(

@@ -20,18 +20,12 @@ check that they agree bit for bit). The qgZ sum step decodes INT4 with
 :func:`~ds_plugin.quant.comm.format.int4_nibbles` and adds in peer order. Compiled, INT4 reads and writes its element
 pairs as machine words (see ``_as_words``), through the format's own scale, code and nibble steps.
 
-When to compile: compiling costs seconds once per process (then the on-disk inductor cache makes it faster),
-so by default only CPU buckets of at least :data:`COMPILE_MIN_NUMEL` elements take the compiled form: tiny
-test models stay eager, large models pay once and win on every step. ``DS_PLUGIN_QUANT_COMPILE=1`` compiles
-every CPU bucket, ``=0`` none. If compiling fails (no C++ compiler, an unsupported platform), the eager form
-runs and one warning says why.
+When to compile (``DS_PLUGIN_QUANT_COMPILE``, the size rule) and how a failed compile falls back to the eager form
+is :mod:`ds_plugin.quant.cpu_compile`'s, shared with the frozen-weight decode.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 import sys
 from collections.abc import Callable
 
@@ -49,24 +43,17 @@ from ds_plugin.quant.comm.format import (
     scale_cap,
     sent_scales,
 )
+from ds_plugin.quant.cpu_compile import COMPILE_MIN_NUMEL, compile_report, compiled_step, use_compiled
+from ds_plugin.quant.cpu_compile import bf16_bits as _bf16_bits
 
 __all__ = [
     "COMPILE_MIN_NUMEL",
-    "bf16_bits",
     "compile_report",
-    "compiled_step",
     "dequantize_rows_into",
     "dequantize_sum_rows",
     "quantize_rows",
     "use_compiled",
 ]
-
-logger = logging.getLogger(__name__)
-
-# Below this a bucket takes a few milliseconds eagerly: seconds of compiling would pay back only after thousands
-# of steps, and tests on tiny models would pay it in every process.
-COMPILE_MIN_NUMEL = 1 << 20
-_ENV = "DS_PLUGIN_QUANT_COMPILE"
 
 
 def quantize_rows(rows: Tensor, block: int, bits: int, *, compiled: bool | None = None) -> tuple[Tensor, Tensor]:
@@ -185,17 +172,6 @@ def dequantize_sum_rows(
     return total.float() if out is None else out.copy_(total)
 
 
-def compile_report() -> dict[str, object]:
-    """Which form the steps took in this process, for benchmark reports: the setting, the size rule, and the
-    steps that ran compiled or whose compile failed (and so ran eager)."""
-    return {
-        "setting": os.environ.get(_ENV, "auto"),
-        "compile_min_numel": COMPILE_MIN_NUMEL,
-        "compiled_steps": sorted(fn.__name__ for fn in _COMPILED_RUNS),
-        "compile_failed": sorted(fn.__name__ for fn in _COMPILE_FAILED),
-    }
-
-
 def _contiguous_pieces(t: Tensor) -> list[Tensor]:
     """`t` as contiguous sub-views along its leading dims, in row-major order (`[t]` itself when contiguous).
 
@@ -311,16 +287,6 @@ def _dequantize_sum_words(
     out.copy_(low_bits | (odd_bits.to(torch.int64) << 32))
 
 
-def _bf16_bits(x: Tensor) -> Tensor:
-    # fp32 `x` rounded to bf16 (to nearest, ties to even, as `.to(torch.bfloat16)`), as the int32 bits of its fp32
-    # value. In integers: compiled, inductor would drop `x.to(torch.bfloat16).float()` as a no-op (torch 2.13 keeps it
-    # only with `emulate_precision_casts`, 2.11 not even then). Infinities and overflow to infinity come out as the
-    # cast gives them; a nan stays a nan (its payload is not canonicalised).
-    bits = x.view(torch.int32)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return torch.where(x != x, bits, rounded)
-
-
 def _pick(fn: Callable, t: Tensor, compiled: bool | None) -> Callable:
     """`fn` itself, or its compiled form when `compiled` (None: by `t`'s size and device and the environment)."""
     if compiled is None:
@@ -328,64 +294,5 @@ def _pick(fn: Callable, t: Tensor, compiled: bool | None) -> Callable:
     return _compiled(fn) if compiled else fn
 
 
-def use_compiled(t: Tensor) -> bool:
-    """Whether the steps take their compiled form for a bucket like `t` (CPU, size, ``DS_PLUGIN_QUANT_COMPILE``).
-
-    A collective that works in pieces decides once for its whole bucket, so all its pieces run the same form.
-    """
-    if t.device.type != "cpu":
-        return False
-    setting = os.environ.get(_ENV, "auto").strip().lower()
-    if setting in ("0", "false", "off"):
-        return False
-    return setting in ("1", "true", "on") or t.numel() >= COMPILE_MIN_NUMEL
-
-
-def compiled_step(fn: Callable, static_dims: tuple[tuple[int, tuple[int, ...]], ...]) -> Callable:
-    """`fn` compiled as this module compiles its own steps, for a CPU step elsewhere (the frozen-weight decode).
-
-    Dynamic shapes with `static_dims` ((argument, dims) pairs) marked static; the eager `fn` after a failed compile,
-    with one warning; listed by `compile_report`. `fn`'s name must be unique among compiled steps.
-    """
-    _STATIC_DIMS.setdefault(fn.__name__, static_dims)
-    return _compiled(fn)
-
-
-def bf16_bits(x: Tensor) -> Tensor:
-    """fp32 `x` rounded to bf16 (as ``.to(torch.bfloat16)`` rounds), as the int32 bits of its fp32 value; see
-    `_bf16_bits`. Compiled code needs it where inductor would drop a round trip through bf16."""
-    return _bf16_bits(x)
-
-
-@functools.cache
 def _compiled(fn: Callable) -> Callable:
-    # dynamic=True: one graph serves every bucket size instead of a recompile per shape.
-    compiled = torch.compile(fn, dynamic=True)
-
-    @functools.wraps(fn)
-    def run(*args):
-        if fn in _COMPILE_FAILED:
-            return fn(*args)
-        for index, dims in _STATIC_DIMS[fn.__name__]:
-            for dim in dims:
-                torch._dynamo.mark_static(args[index], dim % args[index].dim())
-        try:
-            result = compiled(*args)
-            _COMPILED_RUNS.add(fn)
-            return result
-        except Exception as exc:  # a missing compiler or an unsupported platform must not stop training
-            _COMPILE_FAILED.add(fn)
-            logger.warning(
-                "ZeRO++: torch.compile of %s failed (%s); using the eager quantizer (correct, slower). Set %s=0 "
-                "to skip the attempt.",
-                fn.__name__,
-                str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__,
-                _ENV,
-            )
-            return fn(*args)
-
-    return run
-
-
-_COMPILE_FAILED: set[Callable] = set()
-_COMPILED_RUNS: set[Callable] = set()
+    return compiled_step(fn, _STATIC_DIMS[fn.__name__])

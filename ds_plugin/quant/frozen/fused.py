@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ds_plugin.quant.comm.fused import bf16_bits, compiled_step, use_compiled
+from ds_plugin.quant.cpu_compile import bf16_bits, compiled_step, use_compiled
 
 _WORD_OF = {torch.bfloat16: torch.int32, torch.float32: torch.int64}
 
@@ -81,14 +81,16 @@ def dequantize_into(
 
     Args:
         out: the result, bf16 or fp32, contiguous.
-        codes: the weight's uint8 codes.
+        codes: the weight's uint8 codes, contiguous.
         factors: per-group fp32 ``(N, K / group_size)`` tensors: INT4 (scales, zeros in code steps), NF4 (absmax,),
             INT8 (scales,).
         fmt: "int4", "nf4" or "int8" (FP6 stays eager).
         group_size: elements per group.
         codebook: NF4's codebook (fp32), for "nf4".
     """
-    if fmt not in _STEPS or out.device.type != "cpu" or not out.is_contiguous() or sys.byteorder != "little":
+    if fmt not in _STEPS or out.device.type != "cpu" or sys.byteorder != "little":
+        return False
+    if not (out.is_contiguous() and codes.is_contiguous()):
         return False
     word = _WORD_OF.get(out.dtype)
     if word is None or group_size % 2 or not use_compiled(out):

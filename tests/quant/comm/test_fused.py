@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from ds_plugin.quant import cpu_compile
 from ds_plugin.quant.comm import fused
 from ds_plugin.quant.comm.format import dequantize_reference, quantize_reference
 
@@ -39,7 +40,7 @@ def _fresh_compile_state(monkeypatch):
     monkeypatch.delenv("DS_PLUGIN_QUANT_COMPILE", raising=False)
     yield
     # A compile failure would silently fall back to eager and make the compiled cases test nothing.
-    assert not fused._COMPILE_FAILED, f"torch.compile failed for {fused._COMPILE_FAILED}"
+    assert not cpu_compile.COMPILE_FAILED, f"torch.compile failed for {cpu_compile.COMPILE_FAILED}"
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -56,7 +57,7 @@ def test_quantize_rows_equals_reference(dtype, bits, compiled):
             # Compared as bits: nan scales must match too.
             assert torch.equal(scales[r * per_row : (r + 1) * per_row].view(torch.int16), ref_scales.view(torch.int16))
     if compiled and bits == 4 and dtype != torch.float16:  # the pair-word form ran (fp16 has none)
-        assert fused._quantize_int4_words in fused._COMPILED_RUNS
+        assert fused._quantize_int4_words in cpu_compile.COMPILED_RUNS
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -111,7 +112,7 @@ def test_dequantize_sum_rows_equals_reference(dtype, compiled):
                 assert torch.equal(averaged.isnan(), expect.isnan())
                 assert torch.equal(averaged.nan_to_num(), expect.nan_to_num()), (n, numel, block, me, divide, round_to)
     if compiled:  # whole blocks took the pair-word form
-        assert fused._dequantize_sum_words in fused._COMPILED_RUNS
+        assert fused._dequantize_sum_words in cpu_compile.COMPILED_RUNS
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -172,7 +173,7 @@ def test_bf16_rounding_in_integers_matches_the_cast(compiled):
     special = [0.0, -0.0, one, 1.0 + 3 * 2.0**-8, -one, big, -big, 1e-40, -1e-40, 1e-45]
     x = torch.cat([torch.tensor(special), torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 1e3])
     x = torch.cat([x, torch.tensor([float("inf"), float("-inf"), float("nan")])])
-    fn = torch.compile(fused._bf16_bits, dynamic=True) if compiled else fused._bf16_bits
+    fn = torch.compile(cpu_compile.bf16_bits, dynamic=True) if compiled else cpu_compile.bf16_bits
     got = fn(x).view(torch.float32)
     want = x.to(torch.bfloat16).float()
     assert torch.equal(got.isnan(), want.isnan())

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from ds_plugin.quant.comm import fused as comm_fused
+from ds_plugin.quant import cpu_compile
 from ds_plugin.quant.frozen import fused
 from ds_plugin.quant.frozen.codecs import dequantize_weight, quantize_weight
 
@@ -35,13 +35,13 @@ def test_compiled_decode_equals_eager_bit_for_bit(fmt, monkeypatch):
         for dtype in (torch.bfloat16, torch.float32):
             monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "0")
             eager = dequantize_weight(parts, fmt, GROUP[fmt], dtype)
-            comm_fused._COMPILED_RUNS.discard(STEP[fmt])
+            cpu_compile.COMPILED_RUNS.discard(STEP[fmt])
             monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "1")
             compiled = dequantize_weight(parts, fmt, GROUP[fmt], dtype)
             # The compiled step ran (not the eager fallback after a failed compile), and gave the eager bits.
-            assert STEP[fmt] in comm_fused._COMPILED_RUNS, (fmt, dtype)
+            assert STEP[fmt] in cpu_compile.COMPILED_RUNS, (fmt, dtype)
             assert torch.equal(_bits(compiled), _bits(eager)), (fmt, rows, cols, dtype)
-    assert not comm_fused._COMPILE_FAILED, f"torch.compile failed for {comm_fused._COMPILE_FAILED}"
+    assert not cpu_compile.COMPILE_FAILED, f"torch.compile failed for {cpu_compile.COMPILE_FAILED}"
 
 
 def test_which_weights_take_the_compiled_decode(monkeypatch):
@@ -55,9 +55,11 @@ def test_which_weights_take_the_compiled_decode(monkeypatch):
     assert not fused.dequantize_into(out, parts["codes"], factors, "fp6", 64)
     monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "1")
     assert fused.dequantize_into(out, parts["codes"], factors, "int4", 64)
+    strided = parts["codes"].t().contiguous().t()  # the same codes, column-major: the eager decode takes them
+    assert not fused.dequantize_into(out, strided, factors, "int4", 64)
     big = torch.empty(1024, 1024, dtype=torch.bfloat16)
     monkeypatch.delenv("DS_PLUGIN_QUANT_COMPILE")
-    assert big.numel() >= comm_fused.COMPILE_MIN_NUMEL
+    assert big.numel() >= cpu_compile.COMPILE_MIN_NUMEL
     big_parts = quantize_weight(_weight(1024, 1024), "int4")
     big_factors = (big_parts["scales"].float(), big_parts["zeros"].float())
     assert fused.dequantize_into(big, big_parts["codes"], big_factors, "int4", 64)
