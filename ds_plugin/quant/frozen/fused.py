@@ -81,7 +81,7 @@ def dequantize_into(
 
     Args:
         out: the result, bf16 or fp32, contiguous.
-        codes: the weight's uint8 codes, contiguous.
+        codes: the weight's uint8 codes, each row contiguous.
         factors: per-group fp32 ``(N, K / group_size)`` tensors: INT4 (scales, zeros in code steps), NF4 (absmax,),
             INT8 (scales,).
         fmt: "int4", "nf4" or "int8" (FP6 stays eager).
@@ -90,18 +90,23 @@ def dequantize_into(
     """
     if fmt not in _STEPS or out.device.type != "cpu" or sys.byteorder != "little":
         return False
-    if not (out.is_contiguous() and codes.is_contiguous()):
+    # Gathered codes may be rows of a larger buffer (a row stride over their width): fine, as long as each row is
+    # contiguous and splits into groups.
+    if not out.is_contiguous() or codes.dim() != 2 or codes.stride(-1) != 1:
         return False
     word = _WORD_OF.get(out.dtype)
     if word is None or group_size % 2 or not use_compiled(out):
         return False
     n, k = out.shape
     per_group = [f.reshape(n, k // group_size, 1) for f in factors]
+    groups = (n, k // group_size, group_size if fmt == "int8" else group_size // 2)
+    try:
+        grouped = (codes.view(torch.int8) if fmt == "int8" else codes).view(groups)
+    except RuntimeError:  # strides that no grouped view can express
+        return False
     if fmt == "int8":
-        _step(fmt)(out.view(n, -1, group_size), codes.view(torch.int8).view(n, -1, group_size), *per_group)
-        return True
-    pairs = (n, k // group_size, group_size // 2)
-    words = out.view(word).view(pairs)
-    extra = (codebook.float(),) if fmt == "nf4" else ()
-    _step(fmt)(words, codes.view(pairs), *per_group, *extra)
+        _step(fmt)(out.view(groups), grouped, *per_group)
+    else:
+        extra = (codebook.float(),) if fmt == "nf4" else ()
+        _step(fmt)(out.view(word).view(groups), grouped, *per_group, *extra)
     return True

@@ -44,6 +44,24 @@ def test_compiled_decode_equals_eager_bit_for_bit(fmt, monkeypatch):
     assert not cpu_compile.COMPILE_FAILED, f"torch.compile failed for {cpu_compile.COMPILE_FAILED}"
 
 
+@pytest.mark.parametrize("fmt", ["int4", "nf4", "int8"])
+def test_gathered_codes_rows_of_a_wider_buffer_decode_compiled(fmt, monkeypatch):
+    # FSDP2 hands the decode each weight's codes as rows of its all-gather buffer: a row stride over their width.
+    parts = quantize_weight(_weight(64, 512), fmt)
+    codes = parts["codes"]
+    wide = torch.zeros(codes.shape[0], codes.shape[1] + 32, dtype=torch.uint8)
+    wide[:, : codes.shape[1]] = codes
+    strided = {**parts, "codes": wide[:, : codes.shape[1]]}
+    assert not strided["codes"].is_contiguous()
+    monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "0")
+    eager = dequantize_weight(parts, fmt, GROUP[fmt], torch.bfloat16)
+    cpu_compile.COMPILED_RUNS.discard(STEP[fmt])
+    monkeypatch.setenv("DS_PLUGIN_QUANT_COMPILE", "1")
+    compiled = dequantize_weight(strided, fmt, GROUP[fmt], torch.bfloat16)
+    assert STEP[fmt] in cpu_compile.COMPILED_RUNS, fmt
+    assert torch.equal(_bits(compiled), _bits(eager)), fmt
+
+
 def test_which_weights_take_the_compiled_decode(monkeypatch):
     monkeypatch.delenv("DS_PLUGIN_QUANT_COMPILE", raising=False)
     parts = quantize_weight(_weight(8, 256), "int4")
