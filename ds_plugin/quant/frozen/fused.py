@@ -45,11 +45,22 @@ def _decode_int4_pairs(words: Tensor, codes: Tensor, scales: Tensor, zeros: Tens
     words.copy_(_pair_word(even, odd, words.dtype))
 
 
+def _lookup16(q: Tensor, codebook: Tensor) -> Tensor:
+    # codebook[q] for 4-bit q as a tree of selects on q's bits, picking the entries themselves (so the same bits):
+    # inductor's CPU code gathers from a tensor one element at a time, and selects vectorize (an 11008 x 4096 NF4
+    # weight into a mapped bf16 buffer: 27 ms against 55 ms).
+    level = [codebook[i] for i in range(16)]
+    for bit in range(4):
+        high = ((q >> bit) & 1) == 1
+        level = [torch.where(high, level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
+    return level[0]
+
+
 def _decode_nf4_pairs(words: Tensor, codes: Tensor, absmax: Tensor, codebook: Tensor) -> None:
     # As above with NF4's codebook: codebook[q] * absmax.
-    c = codes.to(torch.int64)
-    even = codebook[c >> 4] * absmax
-    odd = codebook[c & 0xF] * absmax
+    c = codes.to(torch.int32)
+    even = _lookup16(c >> 4, codebook) * absmax
+    odd = _lookup16(c & 0xF, codebook) * absmax
     words.copy_(_pair_word(even, odd, words.dtype))
 
 
