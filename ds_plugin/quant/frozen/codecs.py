@@ -210,8 +210,8 @@ def dequantize_weight(parts: dict[str, Tensor], fmt: str, group_size: int, dtype
     else:
         factors = (_part(parts, "scales", per_group).float(),)
     out = torch.empty((n_rows, k), dtype=dtype, device=codes.device)
-    if fmt != "fp6" and dequantize_into(out, codes, factors, fmt, group_size, NF4_CODEBOOK if fmt == "nf4" else None):
-        return out  # on a CPU, compiled: one pass, the same bits (`ds_plugin.quant.frozen.fused`)
+    if dequantize_into(out, codes, factors, fmt, group_size, NF4_CODEBOOK if fmt == "nf4" else None):
+        return out  # on a CPU, compiled: one pass, the same bits (`ds_plugin.quant.frozen.fused`; not FP6)
     step = max(1, _PACK_ELEMENTS["cpu" if codes.device.type == "cpu" else "device"] // k)
     for start in range(0, n_rows, step):
         end = min(n_rows, start + step)
