@@ -12,6 +12,27 @@ from typing import Any
 PACKAGES = ("torch", "triton", "bitsandbytes", "lightning", "accelerate", "peft", "transformers", "safetensors")
 
 
+def import_bitsandbytes_quietly() -> bool:
+    """Import bitsandbytes (when installed) without the warnings of its optional hub kernel; False when absent.
+
+    On CPUs with AVX512-bf16, importing bitsandbytes (0.50) looks an optional CPU 4-bit GEMM kernel up on the Hugging
+    Face Hub through `kernels`, and both libraries log a warning when it cannot be had (offline, or not cached): no
+    fault of the installation, and nothing ds_plugin uses. Other errors of the import are raised as they come.
+    """
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return False
+    quiet = [logging.getLogger(name) for name in ("bitsandbytes", "kernels")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # noqa: F401
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+    return True
+
+
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -109,19 +130,8 @@ def collect_env() -> dict[str, Any]:
     triton_ok = importlib.util.find_spec("triton") is not None
 
     def bnb_backend():
-        # Importing reports a broken native library. On AVX512-bf16 CPUs bitsandbytes' CPU backend also looks an
-        # optional kernel up on the hub (through `kernels`), and both log a warning when it cannot (offline): not a
-        # fault of the library, so not printed here.
-        quiet = [logging.getLogger(name) for name in ("bitsandbytes", "kernels")]
-        levels = [log.level for log in quiet]
-        for log in quiet:
-            log.setLevel(logging.ERROR)
-        try:
-            import bitsandbytes  # noqa: F401
-        finally:
-            for log, level in zip(quiet, levels, strict=True):
-                log.setLevel(level)
-        return True
+        # Importing reports a broken native library.
+        return import_bitsandbytes_quietly() or "not installed"
 
     caps = {
         "gloo backend (CPU)": _probe(lambda: dist.is_gloo_available() or "torch built without gloo"),

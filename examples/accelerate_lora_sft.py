@@ -28,6 +28,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+import _offline  # noqa: F401  (first: keeps the libraries off the Hugging Face Hub)
 import torch
 from _recipe_common import (
     LORA_TARGETS,

@@ -29,6 +29,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+import _offline  # noqa: F401  (first: keeps the libraries off the Hugging Face Hub)
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist

@@ -35,6 +35,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+import _offline  # noqa: F401  (first: keeps the libraries off the Hugging Face Hub)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -135,6 +135,19 @@ def _stock_causal_lm_loss() -> Any:
     return getattr(loss_utils, "ForCausalLMLoss", None)
 
 
+def _loss_of(module: nn.Module, stock: Any) -> Any:
+    """The loss `module.loss_function` gives, read without the warning transformers logs for a loss type it does
+    not know; None for a backbone (no loss type and no output head: nothing of its own to compute a loss with).
+
+    A head model whose class name maps to no loss type (GPT-2's `GPT2LMHeadModel`) falls back to the stock
+    causal-LM loss, as the property does.
+    """
+    if "_loss_function" in vars(module) or getattr(module, "loss_type", None) is not None:
+        return module.loss_function
+    head = getattr(module, "get_output_embeddings", None)
+    return stock if head is not None and head() is not None else None
+
+
 def use_chunked_loss(model: nn.Module) -> int:
     """Give every Hugging Face module in `model` whose loss is the stock causal-LM one `causal_lm_loss` instead.
 
@@ -152,7 +165,7 @@ def use_chunked_loss(model: nn.Module) -> int:
         if not isinstance(getattr(type(module), "loss_function", None), property):
             continue
         try:
-            current = module.loss_function
+            current = _loss_of(module, stock)
         except Exception:  # a model whose property cannot resolve a loss: not one to switch
             continue
         if current is stock:

@@ -96,15 +96,26 @@ def test_chunk_rows_fit_the_budget():
     assert chunk_rows(128_256, cuda) == 130 and chunk_rows(0, cpu) >= 1
 
 
-def test_use_chunked_loss_switches_stock_causal_lms_only():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_use_chunked_loss_switches_stock_causal_lms_only(monkeypatch):
+    import transformers.modeling_utils as hf_modeling
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+    warned = []  # transformers warns when a loss is read from a module it knows no loss type for (a backbone)
+    monkeypatch.setattr(hf_modeling.logger, "warning_once", lambda msg, *a, **k: warned.append(str(msg)))
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=40, bos_token_id=0, eos_token_id=0)
     cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0  # the two models compute the same function
     torch.manual_seed(0)
     stock, chunked = GPT2LMHeadModel(cfg), GPT2LMHeadModel(cfg)
     chunked.load_state_dict(stock.state_dict())
-    assert use_chunked_loss(chunked) >= 1 and chunked.loss_function is causal_lm_loss
+    # The head (GPT-2's class name maps to no loss type: the stock loss by fallback), not its backbone.
+    assert use_chunked_loss(chunked) == 1 and chunked.loss_function is causal_lm_loss
+    assert "_loss_function" not in vars(chunked.transformer)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    shape.update(num_key_value_heads=2, bos_token_id=0, eos_token_id=0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **shape))
+    assert use_chunked_loss(llama) == 1 and llama.loss_function is causal_lm_loss
+    assert "_loss_function" not in vars(llama.model)
+    assert not [m for m in warned if "loss_type" in m], warned
     labels = _labels()
     losses = [m(input_ids=labels.clamp(min=0), labels=labels).loss for m in (stock, chunked)]
     for loss in losses:

@@ -77,3 +77,16 @@ def test_env_reports_the_units_and_the_ratio(monkeypatch):
     assert caps["bf16 units (CPU)"].startswith("no (avx2 only, no bf16 units")
     assert caps["bf16/fp32 matmul time (CPU)"].startswith("48.0x")
     assert "bf16 units (CPU)" in format_env(collect_env())
+    # bitsandbytes is reported as installed or not, never as a warning from its optional hub kernel.
+    import importlib.util
+
+    import ds_plugin.env as env_module
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        env_module.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "bitsandbytes" else real_find_spec(name, *a),
+    )
+    assert env_module.import_bitsandbytes_quietly() is False
+    assert collect_env()["capabilities"]["bitsandbytes (NF4, 8-bit optimizers)"] == "no (not installed)"
