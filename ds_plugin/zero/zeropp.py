@@ -136,7 +136,8 @@ class QuantizedAllGather(CommBuffers):
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False):
         if input_tensor.dtype not in _FLOATS:
-            self.stats.fallback(f"all-gather of {input_tensor.dtype} bucket")
+            # A quantized frozen base's codes, already smaller than qwZ's INT8: nothing to gain by quantizing.
+            self.stats.fallback(f"all-gather of a {input_tensor.dtype} bucket: not floating point, gathered as it is")
             return _all_gather(output_tensor, input_tensor, group, async_op)
         world = dist.get_world_size(group)
         shard = input_tensor.numel()
