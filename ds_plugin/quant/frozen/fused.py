@@ -99,14 +99,14 @@ def dequantize_into(
         group_size: elements per group.
         codebook: NF4's codebook (fp32), for "nf4".
     """
-    if fmt not in _STEPS or out.device.type != "cpu" or sys.byteorder != "little":
+    if fmt not in _STEPS or sys.byteorder != "little":
         return False
     # Gathered codes may be rows of a larger buffer (a row stride over their width): fine, as long as each row is
     # contiguous and splits into groups.
     if not out.is_contiguous() or codes.dim() != 2 or codes.stride(-1) != 1:
         return False
     word = _WORD_OF.get(out.dtype)
-    if word is None or group_size % 2 or not use_compiled(out):
+    if word is None or group_size % 2 or not use_compiled(out):  # use_compiled: CPU tensors only
         return False
     n, k = out.shape
     per_group = [f.reshape(n, k // group_size, 1) for f in factors]
