@@ -4,6 +4,15 @@ FSDP_BUCKETS = "FSDP2 groups communication per wrapped block, not by byte-sized 
 DS_RUNTIME_ONLY = "a DeepSpeed-engine feature with no counterpart here"
 FETCH_BY_ALL_GATHER = "FSDP2 fetches each block's weights with one all-gather"
 GRANULARITY = "blocks to wrap are chosen from the model's structure"
+CONTIGUOUS_GRADIENTS = "FSDP2 reduce-scatters each block's gradients from one flat buffer already"
+SUB_GROUPS = (
+    "each rank's optimizer step runs over its whole shard at once (torch's fused/foreach kernels); DeepSpeed's "
+    "sub-groups bound the step's working memory, mostly under NVMe offload, which is not built here"
+)
+FP8_NO_LOSS_SCALE = (
+    "DeepSpeed reads no fp8 block; here FP8 scales come from each tensor's own values (the recipe), with no "
+    "dynamic loss scale"
+)
 
 # DeepSpeed's ZeRO model takes each `stage3_*` key under a plain field name too (the `stage3_*` spelling is the
 # pydantic alias); both spellings are listed wherever the key is ignored.
@@ -65,6 +74,7 @@ TOP_LEVEL_IGNORED = {
     "csv_monitor": "logging belongs to the framework",
     "comet": "logging belongs to the framework",
     "monitor_config": "logging belongs to the framework",
+    "comms_config": "not a DeepSpeed key (DeepSpeed skips it; its collective logging is `comms_logger`)",
     "hybrid_engine": "generation runs the model as is (DeepSpeed-Chat inference engine not needed)",
     "aio": "NVMe offload is not supported",
     "checkpoint": "checkpoints are torch.distributed.checkpoint directories",

@@ -235,6 +235,8 @@ def parse_section(cls: type, data: Any, path: str, ignored_out: dict[str, tuple[
         meta = f.metadata
         if meta.get("auto") and value == AUTO:
             kwargs[f.name] = AUTO
+            if meta.get("ignored") and meta.get("ignored_values") is None:
+                ignored_out[_join(path, json_key(f))] = (AUTO, meta["ignored"])  # no effect, whoever fills it
             continue
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp) or (_is_union(tp) and any(dataclasses.is_dataclass(a) for a in get_args(tp))):

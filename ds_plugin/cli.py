@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ds_plugin._argparse import MAX_COUNT, ArgumentParser, count, existing_path, number, one_line, output_dir, shown
 from ds_plugin.config import ConfigError
@@ -72,12 +73,43 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _accelerate_config(path: str) -> tuple[Any, dict[str, str], str] | None:
+    """For an Accelerate config file: the DeepSpeed config it makes, its keys without effect and how to launch it."""
+    from ds_plugin._accelerate_yaml import accelerate_type, deepspeed_config_block, deepspeed_section
+    from ds_plugin._config_file import read_config_file
+
+    if Path(path).suffix.lower() not in (".yaml", ".yml", ".json"):
+        return None
+    data = read_config_file(Path(path))
+    kind = accelerate_type(data)
+    if kind is None:
+        return None
+    block = deepspeed_section(data, path)
+    if block is None:
+        raise UsageError(
+            f"{path}: an Accelerate config with distributed_type {kind}, not DEEPSPEED: it has no DeepSpeed settings "
+            "to check; give a DeepSpeed JSON, a preset, or an Accelerate config of type DEEPSPEED"
+        )
+    config, ignored = deepspeed_config_block(block)
+    launch = (
+        f"accelerate launch --config_file {path} -m ds_plugin.accelerate your_script.py (on CPU, or without DeepSpeed "
+        "installed, add --multi_gpu)"
+    )
+    return config, {f"deepspeed_config.{k}": why for k, why in ignored.items()}, launch
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     from ds_plugin.config import from_deepspeed
     from ds_plugin.presets import PRESETS, get_preset
 
+    launch, accelerate_ignored = None, {}
     try:
-        cfg = get_preset(args.file) if args.file in PRESETS else from_deepspeed(args.file)
+        accelerate = None if args.file in PRESETS else _accelerate_config(args.file)
+        if accelerate is not None:
+            source, accelerate_ignored, launch = accelerate
+            cfg = from_deepspeed(source)
+        else:
+            cfg = get_preset(args.file) if args.file in PRESETS else from_deepspeed(args.file)
     except RecursionError:
         # json and PyYAML parse nested containers recursively: a file nested thousands deep is hostile input.
         raise UsageError(f"{args.file}: nested too deeply to read; is it a DeepSpeed config?") from None
@@ -88,7 +120,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         world = args.world_size
         cfg = resolve_plan(cfg, world_size=world, ranks_per_node=args.ranks_per_node or world, check_only=True).config
     print(json.dumps(cfg.to_deepspeed(include_ignored=False), indent=2))
-    ignored = cfg.ignored_keys()
+    ignored = {**accelerate_ignored, **cfg.ignored_keys()}
     if ignored:
         print(f"\nignored keys ({len(ignored)}): accepted, but they have no effect here")
         for key, reason in ignored.items():
@@ -96,6 +128,13 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     unresolved = cfg.unresolved()
     if unresolved:
         print(f'\n"auto" values resolved at launch from the framework: {", ".join(unresolved)}')
+    if launch is not None:
+        print(
+            f"\nOK: {args.file} is a valid Accelerate DeepSpeed config (ZeRO stage {cfg.stage}); run it with",
+            file=sys.stderr,
+        )
+        print(f"  {launch}", file=sys.stderr)
+        return 0
     print(f"\nOK: {args.file} is a valid config (ZeRO stage {cfg.stage})", file=sys.stderr)
     return 0
 

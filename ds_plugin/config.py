@@ -18,8 +18,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from ds_plugin._accelerate_yaml import accelerate_type
 from ds_plugin._config_file import read_config_file
-from ds_plugin._ignored_keys import DS_RUNTIME_ONLY, FSDP_BUCKETS, TOP_LEVEL_IGNORED, ZERO_IGNORED
+from ds_plugin._ignored_keys import (
+    CONTIGUOUS_GRADIENTS,
+    DS_RUNTIME_ONLY,
+    FP8_NO_LOSS_SCALE,
+    FSDP_BUCKETS,
+    SUB_GROUPS,
+    TOP_LEVEL_IGNORED,
+    ZERO_IGNORED,
+)
 from ds_plugin._schema import AUTO, ConfigError, emit_section, option, parse_section, written_fields
 from ds_plugin.optimizer_config import OptimizerConfig, SchedulerConfig
 
@@ -102,6 +111,13 @@ class FP8Config:
     all_gather: bool = option(False, doc="ZeRO-3: all-gather weights already cast to FP8")
     skip_modules: tuple[str, ...] = option(("lm_head",), doc="module-name substrings kept in high precision")
 
+    # Configs written for Accelerate's FP8 beside DeepSpeed (LLaMA-Factory's) copy the fp16 block's loss-scale keys.
+    IGNORED_KEYS = dict.fromkeys(
+        ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+         "min_loss_scale"),
+        FP8_NO_LOSS_SCALE,
+    )  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadOptimizerConfig:
@@ -148,7 +164,7 @@ class ZeroConfig:
     """`zero_optimization`: the ZeRO stage, ZeRO++ and offload."""
 
     stage: int = option(0, doc="0 = data parallel, 1 = + optimizer states sharded, 2 = + gradients, 3 = + weights")
-    contiguous_gradients: bool = option(True, doc="copy gradients into one buffer", ignored=FSDP_BUCKETS)
+    contiguous_gradients: bool = option(True, doc="copy gradients into one buffer", ignored=CONTIGUOUS_GRADIENTS)
     overlap_comm: bool | None = option(
         None,
         doc="overlap reduction with backward (null: DeepSpeed's default)",
@@ -194,13 +210,15 @@ class ZeroConfig:
         ge=0,
         aliases=("max_reuse_distance",),
     )
-    stage3_gather_16bit_weights_on_model_save: bool = option(
+    stage3_gather_16bit_weights_on_model_save: bool | Auto = option(
         False,
         doc="the HF Trainer's save_model and Accelerate's get_state_dict give the weights in the compute dtype "
-        "(fp16/bf16, each cast as it is gathered), as DeepSpeed's; false: the fp32 master weights (any stage)",
+        "(fp16/bf16, each cast as it is gathered), as DeepSpeed's; false: the fp32 master weights (any stage); "
+        '"auto": false, as Accelerate fills it',
+        auto=True,
         aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"),
     )
-    sub_group_size: int = option(1_000_000_000, doc="optimizer step granularity", ge=0, ignored=FSDP_BUCKETS)
+    sub_group_size: int = option(1_000_000_000, doc="optimizer step granularity", ge=0, ignored=SUB_GROUPS)
     offload_optimizer: OffloadOptimizerConfig = option(doc="optimizer offload", factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = option(doc="parameter offload", factory=OffloadParamConfig)
     zero_hpz_partition_size: int | Auto = option(
@@ -382,6 +400,13 @@ class TrainingConfig:
 
     @staticmethod
     def _legacy(data: dict[str, Any], path: str) -> dict[str, Any]:
+        kind = accelerate_type(data)
+        if kind is not None:
+            raise ConfigError(
+                f"config: this is an Accelerate config file (distributed_type: {kind}), not a DeepSpeed config; "
+                "give its DeepSpeed JSON or a preset, or add `-m ds_plugin.accelerate` to its `accelerate launch` "
+                "(`ds-plugin check-config` checks its deepspeed_config block)"
+            )
         # Old DeepSpeed accepted `"zero_optimization": true` (stage 1) or a bare stage number.
         zero = data.get("zero_optimization")
         if isinstance(zero, bool):
@@ -438,7 +463,7 @@ class TrainingConfig:
         """Dotted keys still set to "auto"."""
         out = []
         for key, value in _walk(self.to_deepspeed(include_ignored=False)):
-            if value == AUTO:
+            if value == AUTO and key not in self.ignored:
                 out.append(key)
         return out
 
@@ -506,4 +531,7 @@ def from_deepspeed(config: Mapping[str, Any] | str | os.PathLike | TrainingConfi
         config = read_config_file(Path(config))
     ignored: dict[str, tuple[Any, str]] = {}
     cfg = parse_section(TrainingConfig, config, "", ignored)
+    if cfg.optimizer is not None:
+        for key, reason in cfg.optimizer.ignored_params().items():
+            ignored[f"optimizer.params.{key}"] = (cfg.optimizer.params[key], reason)
     return dataclasses.replace(cfg, ignored=ignored, explicit_keys=written_fields(TrainingConfig, config))

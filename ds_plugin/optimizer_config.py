@@ -54,6 +54,11 @@ _NOT_BUILT = {
 _ADAM = ("adam", "adamw")
 # DeepSpeed's Adam params beyond torch's: which of its kernels runs (all compute the same update).
 _ADAM_EXTRA = ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
+# Those of them that change nothing here, with the reason `check-config` reports.
+_ADAM_KERNEL_CHOICE = {
+    "torch_adam": "DeepSpeed's choice of Adam kernel (the same update); torch's fused or foreach kernel runs here",
+    "fp32_optimizer_states": "optimizer states are fp32 here, as the fp32 master weights they follow",
+}
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}  # DeepSpeed's FusedAdam
 
 
@@ -143,6 +148,12 @@ class OptimizerConfig:
                 raise
             except Exception as exc:  # torch's own check of a value (a negative lr, betas of the wrong length)
                 raise ConfigError(f"params: {str(exc).splitlines()[0][:160]}") from None
+
+    def ignored_params(self) -> dict[str, str]:
+        """The params accepted without effect (DeepSpeed's Adam kernel switches), each with the reason."""
+        if self.type is None or self.type.lower() not in _ADAM:
+            return {}
+        return {k: _ADAM_KERNEL_CHOICE[k] for k in self.params if k in _ADAM_KERNEL_CHOICE}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

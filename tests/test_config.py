@@ -165,13 +165,12 @@ def test_auto_values_are_kept_then_resolved():
     assert plan.optimizer.params == hf and plan.scheduler.params["warmup_num_steps"] == 5
     assert (r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps, r.train_batch_size) == (2, 3, 24)
     assert r.gradient_clipping == 0.5 and r.compute_dtype == "bf16" and r.fp16.enabled is False
-    # Bucket sizes stay "auto" in the config; the prefetch budget, which acts, takes its default in the plan.
+    # The prefetch budget, which acts, takes its default in the plan. Keys without effect here are reported ignored
+    # whatever their value, "auto" included, and are not "auto" values waiting for a framework.
     assert plan.prefetch_numel == 50_000_000
-    assert r.unresolved() == [
-        "zero_optimization.reduce_bucket_size",
-        "zero_optimization.stage3_prefetch_bucket_size",
-        "zero_optimization.stage3_param_persistence_threshold",
-    ]
+    assert r.unresolved() == ["zero_optimization.stage3_prefetch_bucket_size"]
+    for key in ("reduce_bucket_size", "stage3_param_persistence_threshold"):
+        assert r.ignored[f"zero_optimization.{key}"][0] == AUTO
 
 
 @pytest.mark.parametrize(
@@ -269,6 +268,31 @@ def test_an_unknown_override_names_its_owner_and_the_closest_key():
         load_config("zero3", {"stage": 2}, owner="Owner")
     with pytest.raises(ConfigError, match="did you mean 'zero3'"):
         load_config("zero33", owner="Owner")
+
+
+def test_check_config_reads_an_accelerate_deepspeed_yaml(tmp_path, capsys):
+    from ds_plugin.cli import main
+
+    # trl's YAML, as users launch it: its deepspeed_config block is checked as Accelerate turns it into DeepSpeed's.
+    yaml_path = CONFIGS / "trl" / "deepspeed_zero3.yaml"
+    assert main(["check-config", str(yaml_path)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.split("\n\n")[0])["zero_optimization"]["stage"] == 3
+    assert "deepspeed_config.zero3_init_flag: " in captured.out
+    assert "valid Accelerate DeepSpeed config (ZeRO stage 3)" in captured.err
+    assert f"accelerate launch --config_file {yaml_path} -m ds_plugin.accelerate" in captured.err
+    # Another type has no DeepSpeed block; a key of a feature ds_plugin lacks is refused with the reason.
+    other = tmp_path / "ddp.yaml"
+    other.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n")
+    assert main(["check-config", str(other)]) == 2
+    assert "distributed_type MULTI_GPU, not DEEPSPEED" in capsys.readouterr().err
+    sequence = tmp_path / "alst.yaml"
+    sequence.write_text(
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  seq_parallel_communication_data_type: bf16\n"
+    )
+    assert main(["check-config", str(sequence)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sequence parallelism (ALST/Ulysses) is not part of ds_plugin" in err
 
 
 def test_check_config_world_size_resolves_through_the_plan(tmp_path, capsys):

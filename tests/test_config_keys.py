@@ -22,7 +22,8 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 
 from ds_plugin._schema import json_key
-from ds_plugin.config import TrainingConfig, from_deepspeed
+from ds_plugin.config import ConfigError, TrainingConfig, from_deepspeed
+from ds_plugin.zero.plan import resolve_plan
 
 # Keys the library reads, each with where. Reviewed by hand: a key belongs here only if changing its value changes
 # what training does (or what the config checks). Everything else must be reported by `ignored_keys()`.
@@ -223,6 +224,53 @@ def test_plain_spellings_of_stage3_keys_are_accepted():
             cfg = from_deepspeed({"zero_optimization": {"stage": 3, spelling: 1 if "threshold" in plain else True}})
             assert f"zero_optimization.{spelling}" in cfg.ignored_keys()
             assert from_deepspeed(cfg.to_deepspeed()) == cfg
+
+
+def test_configs_as_published_are_read():
+    # Shaped after LLaMA-Factory's ds_z3_config.json: a key DeepSpeed skips, and "auto" on keys without effect here.
+    z3 = {
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "sub_group_size": 1e9,
+            "contiguous_gradients": True,
+        },
+        "comms_config": {"verbose": False},
+    }
+    cfg = from_deepspeed(z3)
+    ignored = cfg.ignored_keys()
+    assert "comms_logger" in ignored["comms_config"]
+    assert "optimizer step" in ignored["zero_optimization.sub_group_size"]
+    assert "flat buffer" in ignored["zero_optimization.contiguous_gradients"]
+    assert {"zero_optimization.reduce_bucket_size", "zero_optimization.stage3_param_persistence_threshold"} <= set(
+        ignored
+    )
+    # Only the "auto" values that act wait for a framework.
+    assert cfg.unresolved() == [
+        "train_batch_size",
+        "gradient_clipping",
+        "zero_optimization.stage3_prefetch_bucket_size",
+    ]
+    assert from_deepspeed(cfg.to_deepspeed()) == cfg
+    # LLaMA-Factory's FP8 config copies the fp16 block's loss-scale keys into its fp8 block.
+    fp8 = from_deepspeed({"fp8": {"enabled": True, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}})
+    assert fp8.fp8.enabled and "no dynamic loss scale" in fp8.ignored_keys()["fp8.hysteresis"]
+    # Accelerate's templates write "auto" 16-bit saves; Accelerate fills false unless told to save 16-bit weights.
+    saves = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": "auto"}}
+    assert resolve_plan(saves, world_size=2, check_only=True).save_16bit_weights is False
+    saves["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    assert resolve_plan(saves, world_size=2, check_only=True).save_16bit_weights is True
+    # DeepSpeed's Adam kernel switches are reported, not silently taken.
+    params = {"lr": 1e-3, "torch_adam": True, "fp32_optimizer_states": True, "adam_w_mode": False}
+    adam = from_deepspeed({"optimizer": {"type": "Adam", "params": params}})
+    assert set(adam.ignored_keys()) == {"optimizer.params.torch_adam", "optimizer.params.fp32_optimizer_states"}
+    # An Accelerate config file where a DeepSpeed config belongs: one line saying what to do instead.
+    with pytest.raises(ConfigError, match=r"an Accelerate config file \(distributed_type: MULTI_GPU\)"):
+        from_deepspeed({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU"})
 
 
 def test_sparse_attention_parses_and_is_reported():

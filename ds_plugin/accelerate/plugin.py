@@ -57,7 +57,8 @@ class ZeroPlugin:
         gradient_accumulation_steps: the training loop's accumulation steps, where it is not Accelerate's
             (the HF Trainer accumulates itself); default `Accelerator(gradient_accumulation_steps=...)`.
         gradient_clipping: the training loop's max gradient norm (the HF Trainer's `max_grad_norm`); default none:
-            a script clips with `accelerator.clip_grad_norm_`, unless the config sets `gradient_clipping`.
+            the config's `gradient_clipping`, and where that is "auto" or absent 1.0, as Accelerate's DeepSpeed
+            integration fills it (the step clips to it; a script's own `clip_grad_norm_` comes on top).
         block_types: module classes or names to shard as separate units; default the transformers models'
             `_no_split_modules`, else the repeated children of `nn.ModuleList`s.
         sync_module_states: start every rank from rank 0's weights, as DDP does.

@@ -54,6 +54,9 @@ def framework_settings(
         else "Accelerator(gradient_accumulation_steps)",
         clip=plugin.gradient_clipping,
         clip_setting=plugin.clip_setting,
+        # Accelerate's `_prepare_deepspeed` fills an "auto" (or absent) gradient_clipping with 1.0: DeepSpeed then clips
+        # every step whether or not the script calls clip_grad_norm_.
+        clip_default=1.0,
     )
 
 

@@ -16,7 +16,7 @@ from ds_plugin.deepspeed.comm import init_distributed
 from ds_plugin.deepspeed.engine import DeepSpeedEngine
 from ds_plugin.optimizer_config import build_optimizer, refuse_auto
 from ds_plugin.zero.mesh import data_parallel_mesh
-from ds_plugin.zero.plan import resolve_plan
+from ds_plugin.zero.plan import refuse_framework_auto, resolve_plan
 from ds_plugin.zero.setup import FROM_CONFIG, attach_config_scheduler, repoint_scheduler, setup_zero
 
 __all__ = ["add_config_arguments", "initialize"]
@@ -128,6 +128,7 @@ def initialize(
         raise ValueError("initialize: mpu / mesh_param (model or sequence parallelism) are not part of ds_plugin")
     cfg = _read_config(args, config, config_params)
     # Nothing fills "auto" here (DeepSpeed refuses it too): say so before the process group starts.
+    refuse_framework_auto(cfg)
     if optimizer is None and cfg.optimizer is not None:
         refuse_auto(cfg.optimizer.params, "optimizer")
     if lr_scheduler is None and cfg.scheduler is not None:

@@ -114,6 +114,8 @@ class ZeroEngine(EngineStateDicts):
         self._local_shards: LocalShards | None = None
         self._creating_state = False
         self._overflow: bool | None = None  # this step's gradients reduced and unscaled (see _gradients_ready)
+        # The norm this step's gradients were last clipped to by `clip_grad_norm_` (None: not clipped since they came).
+        self._clipped_to: float | None = None
 
     # ------------------------------------------------------------------ what the engine holds
 
@@ -185,6 +187,7 @@ class ZeroEngine(EngineStateDicts):
         if self._creating_state:
             return
         self._overflow = None  # the next step's gradients are new
+        self._clipped_to = None
         if self._replicated is not None:
             self._replicated.sync_params()
 
@@ -275,6 +278,7 @@ class ZeroEngine(EngineStateDicts):
                 when the caller already normalised it (Lightning does).
         """
         self._overflow = None  # new gradients: a verdict cached before them is stale
+        self._clipped_to = None
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
@@ -339,7 +343,8 @@ class ZeroEngine(EngineStateDicts):
         """Clip this step's gradients to a global L2 norm now, between the last backward and `step()`.
 
         The norm is the unsharded model's (fp16: of the unscaled gradients). `step()` still clips by the config's
-        `gradient_clipping` as well, when that is set.
+        `gradient_clipping` as well, when that is set, unless this call already clipped to that norm or less (then
+        clipping again would only cost a pass over the gradients).
 
         Args:
             max_norm: the largest allowed norm.
@@ -351,6 +356,7 @@ class ZeroEngine(EngineStateDicts):
         if not self._gradients_ready():
             return torch.tensor(float("inf"))
         self.last_grad_norm = clip_grad_norm_(self.trainable_parameters(), float(max_norm), group=self.group)
+        self._clipped_to = float(max_norm)
         return self.last_grad_norm
 
     @torch.no_grad()
@@ -427,7 +433,10 @@ class ZeroEngine(EngineStateDicts):
             self.zero_grad()
             return False
         norm = None
-        if self.gradient_clipping > 0:
+        clipped_already = self._clipped_to is not None and self._clipped_to <= self.gradient_clipping
+        if clipped_already:
+            norm = self.last_grad_norm  # these gradients' norm, taken by that clip_grad_norm_
+        elif self.gradient_clipping > 0:
             norm = self.last_grad_norm = clip_grad_norm_(
                 self.trainable_parameters(), self.gradient_clipping, group=self.group
             )
@@ -440,6 +449,7 @@ class ZeroEngine(EngineStateDicts):
     def zero_grad(self) -> None:
         """Drop every gradient: the optimizer's, the model's and any accumulation buffer."""
         self._overflow = None
+        self._clipped_to = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # local stand-ins too, when there are any
         for p in self.trainable_parameters():

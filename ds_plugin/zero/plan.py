@@ -34,7 +34,14 @@ from ds_plugin.zero.mesh import ZeroSetupError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FrameworkSettings", "ZeroPlan", "dataloader_batch_size", "plan_for", "resolve_plan"]
+__all__ = [
+    "FrameworkSettings",
+    "ZeroPlan",
+    "dataloader_batch_size",
+    "plan_for",
+    "refuse_framework_auto",
+    "resolve_plan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +72,11 @@ class FrameworkSettings:
     accumulation_setting: str = "gradient accumulation"
     """How the framework names its accumulation setting, for messages."""
     clip: float | None = None
-    """The framework's gradient clipping norm (None = off)."""
+    """The framework's gradient clipping norm (None: it has no setting; `clip_default` applies)."""
+    clip_default: float = 0.0
+    """The clipping norm when neither the config nor the framework's setting gives one: 0 (off) for frameworks
+    whose loop clips (Lightning's `gradient_clip_val`), 1.0 for Accelerate, whose DeepSpeed integration fills that
+    into a config's "auto" or absent `gradient_clipping`."""
     clip_setting: str = "gradient clipping"
     """How the framework names its clipping setting, for messages."""
     auto_values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -194,7 +205,7 @@ def _apply_framework(config: TrainingConfig, fw: FrameworkSettings) -> tuple[Tra
     mb = config.train_micro_batch_size_per_gpu
     config = config.replace(
         gradient_accumulation_steps=AUTO if ga is not None else None,
-        gradient_clipping=float(clip or 0.0),
+        gradient_clipping=float(clip if clip is not None else fw.clip_default),
         train_micro_batch_size_per_gpu=AUTO if mb in (AUTO, None) and fw.micro_batch_size else mb,
     )
     return config, ga
@@ -327,6 +338,17 @@ def _resolve_world(
     return config
 
 
+def refuse_framework_auto(config: TrainingConfig) -> None:
+    """Refuse the "auto" values only a framework can fill, for a run without one (`initialize`).
+
+    Raises:
+        ConfigError: one line naming the key.
+    """
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if getattr(config, key) == AUTO:
+            raise ConfigError(f'{key}: "auto" is not resolved; without a framework to take it from, write the value')
+
+
 def resolve_plan(
     config: ConfigSource,
     *,
@@ -360,11 +382,7 @@ def resolve_plan(
     if framework is not None:
         config, ga = _apply_framework(config, framework)
     elif not check_only:
-        for key in ("gradient_accumulation_steps", "gradient_clipping"):
-            if getattr(config, key) == AUTO:
-                raise ConfigError(
-                    f'{key}: "auto" is not resolved; without a framework to take it from, write the value'
-                )
+        refuse_framework_auto(config)
     config = _resolve_world(
         config,
         world_size=world_size,
@@ -405,7 +423,8 @@ def resolve_plan(
         chunked_loss=config.chunked_loss,
         blocked_logits=config.blocked_logits,
         non_finite_gradients=config.non_finite_gradients,
-        save_16bit_weights=config.zero_optimization.stage3_gather_16bit_weights_on_model_save,
+        # "auto": false, the value Accelerate's DeepSpeed integration fills unless told to save 16-bit weights.
+        save_16bit_weights=config.zero_optimization.stage3_gather_16bit_weights_on_model_save is True,
         optimizer=optimizer,
         scheduler=scheduler,
     )

@@ -184,7 +184,18 @@ def test_refusals_are_one_line_before_any_process_group(tmp_path: Path):
             lambda: deepspeed.initialize(model=net, config={"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}),
             'optimizer.params.lr: "auto" is not resolved',
         ),
+        (
+            lambda: deepspeed.initialize(
+                model=net, optimizer=torch.optim.SGD, config={"gradient_accumulation_steps": "auto"}
+            ),
+            'gradient_accumulation_steps: "auto" is not resolved',
+        ),
+        (
+            lambda: deepspeed.initialize(model=net, config=str(tmp_path / "accelerate.yaml")),
+            "an Accelerate config file (distributed_type: DEEPSPEED)",
+        ),
     ]
+    (tmp_path / "accelerate.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
     for call, words in cases:
         with pytest.raises(ConfigError) as err:
             call()

@@ -103,8 +103,11 @@ def make_optimizer(name: str, lr: float = 1e-3):
     return lambda params: torch.optim.SGD(params, lr=lr * 100, momentum=0.9)
 
 
-def train_engine(engine: Any, rank: int, world: int, steps: int, *, per_rank: int = BATCH) -> dict[str, list[float]]:
-    """`steps` optimizer steps; each global batch is split into `gradient_accumulation_steps` micro-batches."""
+def train_engine(
+    engine: Any, rank: int, world: int, steps: int, *, per_rank: int = BATCH, clip_first: float | None = None
+) -> dict[str, list[float]]:
+    """`steps` optimizer steps; each global batch is split into `gradient_accumulation_steps` micro-batches.
+    `clip_first`: the script clips with `engine.clip_grad_norm_` to this before each optimizer step."""
     gas = engine.gradient_accumulation_steps
     losses, norms = [], []
     for step in range(steps):
@@ -113,6 +116,8 @@ def train_engine(engine: Any, rank: int, world: int, steps: int, *, per_rank: in
         for chunk in x.chunk(gas):
             loss = engine(input_ids=chunk, labels=chunk).loss
             engine.backward(loss)
+            if clip_first is not None and engine.is_gradient_accumulation_boundary():
+                engine.clip_grad_norm_(clip_first)
             engine.step()
             micro.append(loss.item())
         losses.append(sum(micro) / len(micro))

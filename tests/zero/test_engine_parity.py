@@ -155,6 +155,23 @@ def _clipping(rank: int, world: int, out: dict) -> None:
         engine = initialize(gpt2(), zero_config(stage, clip=clip), make_optimizer("adamw"))
         out["clip", stage] = train_engine(engine, rank, world, 5)
         out["clip", stage]["moved"] = _max_moved(engine.module, initial)
+    # A script that clips itself before step() (Accelerate's clip_grad_norm_ with the config's "auto" clipping of
+    # 1.0): the step clips again only to a tighter norm. SGD, whose steps scale with the gradient, so a clip left
+    # out shows in the losses.
+    import ds_plugin.zero.engine as engine_module
+
+    out["clip", "ddp_sgd"] = train_ddp(gpt2(), rank, world, 5, clip=clip, optim="sgd")
+    real, calls = engine_module.clip_grad_norm_, []
+    engine_module.clip_grad_norm_ = lambda params, max_norm, **kw: (
+        calls.append(max_norm) or real(params, max_norm, **kw)
+    )
+    try:
+        for name, first, in_step in (("tight_first", clip, 1.0), ("loose_first", 10.0, clip)):
+            engine = initialize(gpt2(), zero_config(2, clip=in_step), make_optimizer("sgd"))
+            calls.clear()
+            out["clip", name] = {**train_engine(engine, rank, world, 5, clip_first=first), "calls": list(calls)}
+    finally:
+        engine_module.clip_grad_norm_ = real
 
 
 # World 2 runs in every bare `pytest`; 1 (no sharding) and 4 (hpZ's only world, the costliest spawn) in the `long`
@@ -237,6 +254,20 @@ def test_accumulation_equals_concatenated_batch(parity, stage):
         assert acc["moved"] > LR / 2, f"the weights did not move ({acc['moved']:.2e}): no optimizer step"
         assert max_rel(acc["split"], acc["whole"]) < 1e-5
         assert acc["param_diff"] < 1e-5
+
+
+def test_a_scripts_own_clip_is_repeated_by_the_step_only_when_tighter(parity):
+    _, results = parity
+    for r in results:
+        ref, tight, loose = r["clip", "ddp_sgd"], r["clip", "tight_first"], r["clip", "loose_first"]
+        assert min(ref["norm"]) > 0.05 * 2, "the threshold must actually clip"
+        # Clipped to 0.05 by the script: the step's 1.0 is not applied again (one clip per step, the script's).
+        assert tight["calls"] == [0.05] * 5
+        # Clipped to 10 by the script: the step still clips to its 0.05.
+        assert loose["calls"] == [10.0, 0.05] * 5
+        for run in (tight, loose):  # both are DDP clipped to 0.05, norms (before clipping) included
+            assert max_rel(run["loss"], ref["loss"]) < 1e-5
+            assert max_rel(run["norm"], ref["norm"]) < 1e-5
 
 
 @pytest.mark.parametrize("stage", STAGES)
