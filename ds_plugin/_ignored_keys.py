@@ -92,6 +92,7 @@ TOP_LEVEL_IGNORED = {
     "weight_quantization": "weights are never stored quantized here (quantized initialization is not built)",
     "tensor_parallel": "tensor parallelism is not part of ds_plugin",
     "sequence_parallel_size": "sequence parallelism is not part of ds_plugin",
+    "sequence_parallel": "sequence parallelism is not part of ds_plugin (this block is switched off)",
     "seq_parallel_communication_data_type": "sequence parallelism is not part of ds_plugin",
     "timers": DS_RUNTIME_ONLY,
     "dataloader_drop_last": "data loading belongs to the framework",

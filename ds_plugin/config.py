@@ -407,6 +407,13 @@ class TrainingConfig:
                 "give its DeepSpeed JSON or a preset, or add `-m ds_plugin.accelerate` to its `accelerate launch` "
                 "(`ds-plugin check-config` checks its deepspeed_config block)"
             )
+        sequence = data.get("sequence_parallel")
+        if isinstance(sequence, Mapping) and sequence.get("enabled", True) not in (False, "false"):
+            # LLaMA-Factory's ALST config: training without it would not be the run asked for (nor fit its memory).
+            raise ConfigError(
+                "sequence_parallel: sequence parallelism (ALST/Ulysses) is not part of ds_plugin; remove the block "
+                '(or set "enabled": false) to train without it'
+            )
         # Old DeepSpeed accepted `"zero_optimization": true` (stage 1) or a bare stage number.
         zero = data.get("zero_optimization")
         if isinstance(zero, bool):

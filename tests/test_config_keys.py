@@ -268,6 +268,10 @@ def test_configs_as_published_are_read():
     params = {"lr": 1e-3, "torch_adam": True, "fp32_optimizer_states": True, "adam_w_mode": False}
     adam = from_deepspeed({"optimizer": {"type": "Adam", "params": params}})
     assert set(adam.ignored_keys()) == {"optimizer.params.torch_adam", "optimizer.params.fp32_optimizer_states"}
+    # LLaMA-Factory's ALST config: sequence parallelism on is refused in one line; switched off, it is reported.
+    with pytest.raises(ConfigError, match=r"^sequence_parallel: sequence parallelism \(ALST/Ulysses\) is not part"):
+        from_deepspeed({"sequence_parallel": {"enabled": True, "size": 4, "mode": "ulysses"}})
+    assert "sequence_parallel" in from_deepspeed({"sequence_parallel": {"enabled": False}}).ignored_keys()
     # An Accelerate config file where a DeepSpeed config belongs: one line saying what to do instead.
     with pytest.raises(ConfigError, match=r"an Accelerate config file \(distributed_type: MULTI_GPU\)"):
         from_deepspeed({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU"})
