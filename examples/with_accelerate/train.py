@@ -22,14 +22,28 @@ import os
 import resource
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tiny_corpus.txt"
+
+
+def linear_warmup_then_decay(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> Any:
+    """transformers' `get_linear_schedule_with_warmup`, the same factors. Importing `transformers.optimization` would
+    import peft and bitsandbytes, which on some CPUs looks a kernel up on the Hugging Face Hub; examples stay offline.
+    """
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class ByteWindows(Dataset):
@@ -90,7 +104,7 @@ def main() -> None:
     train_dl = DataLoader(ByteWindows(data, args.seq_len, samples, seed=1), batch_size=args.batch_size)
     eval_dl = DataLoader(ByteWindows(data, args.seq_len, 10, seed=2), batch_size=args.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=args.steps)
+    scheduler = linear_warmup_then_decay(optimizer, warmup=2, total=args.steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
 
     step = 0
