@@ -197,8 +197,9 @@ def parse_section(cls: type, data: Any, path: str, ignored_out: dict[str, tuple[
 
     Args:
         cls: a frozen dataclass whose fields were made with `option`. It may define `IGNORED_KEYS`
-            (DeepSpeed keys accepted but without effect here: key -> reason) and `_legacy(data, path)`
-            (rewrites old key spellings into current ones before parsing).
+            (DeepSpeed keys accepted but without effect here: key -> reason), `_legacy(data, path)`
+            (rewrites old key spellings into current ones before parsing) and `AUTO_IS_DEFAULT = True` (as
+            DeepSpeed's pydantic sections, which drop "auto" values: any field written "auto" takes its default).
         data: the JSON object for this section.
         path: dotted path of the section, for messages ("" for the top level).
         ignored_out: collects `dotted key -> (value, reason)` for keys that are accepted but do nothing.
@@ -233,8 +234,10 @@ def parse_section(cls: type, data: Any, path: str, ignored_out: dict[str, tuple[
         if f.name in kwargs:
             raise ConfigError(f"{full}: given twice (as {json_key(f)!r} and its alias)")
         meta = f.metadata
-        if meta.get("auto") and value == AUTO:
-            kwargs[f.name] = AUTO
+        auto_is_default = value == AUTO and not meta.get("auto") and getattr(cls, "AUTO_IS_DEFAULT", False)
+        if (meta.get("auto") and value == AUTO) or auto_is_default:
+            if not auto_is_default:
+                kwargs[f.name] = AUTO
             if meta.get("ignored") and meta.get("ignored_values") is None:
                 ignored_out[_join(path, json_key(f))] = (AUTO, meta["ignored"])  # no effect, whoever fills it
             continue

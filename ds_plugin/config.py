@@ -64,6 +64,8 @@ def _no_nvme(device: str) -> None:
 class FP16Config:
     """`fp16`: FP16 mixed precision with DeepSpeed's dynamic loss scaling."""
 
+    AUTO_IS_DEFAULT = True  # DeepSpeed's model of this section drops "auto" values
+
     enabled: bool | Auto = option(False, doc="train in fp16 with fp32 master weights", auto=True)
     auto_cast: bool = option(
         False,
@@ -88,6 +90,8 @@ class FP16Config:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BF16Config:
     """`bf16` (old name `bfloat16`): BF16 mixed precision with fp32 master weights."""
+
+    AUTO_IS_DEFAULT = True  # DeepSpeed's model of this section drops "auto" values
 
     enabled: bool | Auto = option(False, doc="train in bf16 with fp32 master weights", auto=True)
 
@@ -123,6 +127,8 @@ class FP8Config:
 class OffloadOptimizerConfig:
     """`zero_optimization.offload_optimizer`."""
 
+    AUTO_IS_DEFAULT = True  # DeepSpeed's model of this section drops "auto" values
+
     device: OffloadDevice = option("none", doc="where optimizer state and fp32 master weights live")
     pin_memory: bool = option(True, doc="page-locked host memory for faster copies")
 
@@ -145,6 +151,8 @@ class OffloadOptimizerConfig:
 class OffloadParamConfig:
     """`zero_optimization.offload_param` (stage 3 only)."""
 
+    AUTO_IS_DEFAULT = True  # DeepSpeed's model of this section drops "auto" values
+
     device: OffloadDevice = option("none", doc="where sharded parameters live between uses")
     pin_memory: bool = option(True, doc="page-locked host memory for faster copies")
 
@@ -162,6 +170,8 @@ class OffloadParamConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """`zero_optimization`: the ZeRO stage, ZeRO++ and offload."""
+
+    AUTO_IS_DEFAULT = True  # DeepSpeed's model of this section drops "auto" values
 
     stage: int = option(0, doc="0 = data parallel, 1 = + optimizer states sharded, 2 = + gradients, 3 = + weights")
     contiguous_gradients: bool = option(True, doc="copy gradients into one buffer", ignored=CONTIGUOUS_GRADIENTS)

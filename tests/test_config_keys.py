@@ -268,6 +268,15 @@ def test_configs_as_published_are_read():
     params = {"lr": 1e-3, "torch_adam": True, "fp32_optimizer_states": True, "adam_w_mode": False}
     adam = from_deepspeed({"optimizer": {"type": "Adam", "params": params}})
     assert set(adam.ignored_keys()) == {"optimizer.params.torch_adam", "optimizer.params.fp32_optimizer_states"}
+    # OpenRLHF writes "auto" on any ZeRO key; DeepSpeed's section models drop such values, so the key takes its default.
+    openrlhf = from_deepspeed(
+        {"zero_optimization": {"stage": 3, "sub_group_size": "auto", "stage3_max_live_parameters": "auto"}}
+    )
+    assert openrlhf.zero_optimization.stage3_max_live_parameters == 1_000_000_000
+    assert openrlhf.ignored["zero_optimization.sub_group_size"][0] == "auto"
+    assert from_deepspeed(openrlhf.to_deepspeed()) == openrlhf
+    with pytest.raises(ConfigError, match="^communication_data_type"):  # the top level is read as written
+        from_deepspeed({"communication_data_type": "auto"})
     # LLaMA-Factory's ALST config: sequence parallelism on is refused in one line; switched off, it is reported.
     with pytest.raises(ConfigError, match=r"^sequence_parallel: sequence parallelism \(ALST/Ulysses\) is not part"):
         from_deepspeed({"sequence_parallel": {"enabled": True, "size": 4, "mode": "ulysses"}})

@@ -12,6 +12,19 @@ import runpy
 import sys
 
 
+def _bind_cores() -> None:
+    """`--bind_cores_to_rank`: this rank's equal slice of the launcher's cores, and as many OpenMP threads."""
+    listed = os.environ.get("DS_PLUGIN_BIND_CORES")  # launcher.BIND_CORES_ENV (not imported: this stays light)
+    if not listed:
+        return
+    cores = [int(c) for c in listed.split(",")]
+    ranks, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    per_rank = len(cores) // ranks
+    mine = cores[rank * per_rank : (rank + 1) * per_rank]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(per_rank)  # before the script imports torch, which reads it once
+
+
 def main(argv: list[str]) -> None:
     """Run the script named in `argv` as `__main__` with DeepSpeed's `--local_rank` argument.
 
@@ -25,6 +38,7 @@ def main(argv: list[str]) -> None:
         local_rank_arg = local_rank_arg and flag != "--no-local-rank"
         as_module = as_module or flag == "--module"
     script, args = argv[0], argv[1:]
+    _bind_cores()
     if local_rank_arg:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     sys.argv = [script, *args]

@@ -3,7 +3,10 @@
 Where DeepSpeed's API and `ZeroEngine`'s differ this class translates: `gradient_accumulation_steps()` and the
 batch sizes are methods, `save_checkpoint` returns True, `load_checkpoint` returns `(None, None)` when there is
 nothing to load, `local_rank` / `global_rank` / `device` are attributes. Every other attribute is the `ZeroEngine`'s
-(`optimizer`, `lr_scheduler`, `global_steps`, `no_sync`, `plan`, ...).
+(`optimizer`, `lr_scheduler`, `global_steps`, `no_sync`, `plan`, ...), else the model's, as DeepSpeed's engine passes
+its model's attributes through (`engine.gradient_checkpointing_enable()`, a reward model's `forward_value`). Like
+DeepSpeed's engine, which is an `nn.Module` holding the model as `module`, it answers `parameters()`,
+`named_parameters()`, `named_modules()` and `state_dict()` with the model's, names prefixed `module.`.
 """
 
 from __future__ import annotations
@@ -39,12 +42,69 @@ class DeepSpeedEngine:
         self.world_size = self.dp_world_size = dist.get_world_size()
         self.device = mesh_device(engine.mesh)
         self._applied = False
+        if engine.optimizer is not None:
+            engine.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step overflowed (fp16)
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for names this class does not define: the ZeroEngine's attributes.
+        # Only called for names this class does not define: the ZeroEngine's attributes, then the model's.
         if name == "engine":
             raise AttributeError(name)
-        return getattr(self.engine, name)
+        try:
+            return getattr(self.engine, name)
+        except AttributeError:
+            pass
+        try:
+            return getattr(self.engine.module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'DeepSpeedEngine' object has no attribute {name!r} (nor has its ZeroEngine or its model)"
+            ) from None
+
+    # nn.Module's views of DeepSpeed's engine, which holds the model as its submodule `module`.
+
+    def parameters(self, recurse: bool = True) -> Any:
+        """The model's parameters (DTensor shards at stages 2/3)."""
+        return self.engine.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """The model's named parameters, names prefixed `module.` as DeepSpeed's engine gives them."""
+        return self.engine.module.named_parameters(_sub(prefix), recurse, remove_duplicate)
+
+    def modules(self) -> Any:
+        """This engine, then the model's modules (DeepSpeed's engine is itself a module)."""
+        return (m for _, m in self.named_modules())
+
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True) -> Any:
+        """`(prefix, this engine)`, then the model's named modules under `module.`."""
+        yield prefix, self
+        yield from self.engine.module.named_modules(memo, _sub(prefix), remove_duplicate)
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The model's `state_dict()` with keys under `module.` (sharded tensors at stages 2/3: `save_16bit_model` or
+        `ds_plugin.peft_adapters.full_state_dict` give whole ones)."""
+        return self.engine.module.state_dict(destination=destination, prefix=_sub(prefix) + ".", keep_vars=keep_vars)
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether forward and backward run in bf16."""
+        return self.engine.plan.compute_dtype == "bf16"
+
+    def fp16_enabled(self) -> bool:
+        """Whether forward and backward run in fp16 (with loss scaling)."""
+        return self.engine.plan.compute_dtype == "fp16"
+
+    def gradient_clipping(self) -> float:
+        """The global-norm clipping every step applies (0: off)."""
+        return float(self.engine.gradient_clipping)
+
+    def loss_scale(self) -> float:
+        """The fp16 loss scale now (1.0 without fp16)."""
+        scaler = self.engine.loss_scaler
+        return 1.0 if scaler is None else float(scaler.scale)
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: Adam's `betas`, else `momentum` (as DeepSpeed reports it)."""
+        groups = self.engine.optimizer.param_groups if self.engine.optimizer is not None else []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in groups]
 
     @property
     def module(self) -> nn.Module:
@@ -92,6 +152,8 @@ class DeepSpeedEngine:
         stepped = self.engine.step()
         if boundary:
             self._applied = stepped
+            if self.engine.optimizer is not None:
+                self.engine.optimizer.overflow = not stepped
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary step updated the weights (False after an fp16 overflow or a skipped step)."""
@@ -138,7 +200,7 @@ class DeepSpeedEngine:
 
         Args:
             save_dir: the run's checkpoint directory.
-            tag: the checkpoint's name; default `global_step<N>`.
+            tag: the checkpoint's name (a step number too); default `global_step<N>`.
             client_state: the loop's own JSON-able state, returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at it.
             exclude_frozen_parameters: leave out the weights that do not require grad (LoRA's base); loading keeps
@@ -146,7 +208,7 @@ class DeepSpeedEngine:
         """
         self.engine.save_checkpoint(
             save_dir,
-            tag,
+            None if tag is None else str(tag),  # DeepSpeed names a checkpoint by str(tag): scripts pass the step
             client_state or {},
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
@@ -179,7 +241,10 @@ class DeepSpeedEngine:
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint: custom_load_fn is not supported")
         path, client = self.engine.load_checkpoint(
-            load_dir, tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only
+            load_dir,
+            None if tag is None else str(tag),
+            load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only,
         )
         return (None, None) if path is None else (str(path), client)
 
@@ -206,3 +271,8 @@ class DeepSpeedEngine:
             torch.save(state, Path(save_dir) / save_filename)
         dist.barrier()
         return True
+
+
+def _sub(prefix: str) -> str:
+    """The names under the engine's `module` attribute, below `prefix`."""
+    return f"{prefix}.module" if prefix else "module"

@@ -13,6 +13,9 @@ Nodes: `--hostfile` (DeepSpeed's format, `host slots=N` per line), narrowed by `
 node, `--include localhost:0,2` picks GPUs (`CUDA_VISIBLE_DEVICES`). Every mistake is one line before any rank starts.
 On a node without GPUs the ranks start with glibc's per-thread malloc cache off (`GLIBC_TUNABLES`), which fragments a
 CPU rank's heap (`ds_plugin.runtime.host_memory`); a `GLIBC_TUNABLES` that sets `glibc.malloc.tcache_count` stands.
+`--bind_cores_to_rank` (with `--bind_core_list`) pins each rank to an equal slice of the cores and sets
+`OMP_NUM_THREADS` to its size, as DeepSpeed's numactl binding does; `--enable_each_rank_log DIR` writes each rank's
+output to files under DIR (torchrun's layout). The launcher flags with no meaning here are accepted and said so.
 """
 
 from __future__ import annotations
@@ -25,11 +28,57 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-__all__ = ["LaunchError", "add_launch_arguments", "launch_plan", "run_launch"]
+__all__ = ["BIND_CORES_ENV", "LaunchError", "add_launch_arguments", "launch_plan", "run_launch", "without_effect"]
+
+BIND_CORES_ENV = "DS_PLUGIN_BIND_CORES"
+"""The cores `--bind_cores_to_rank` shares out; each rank pins itself to its slice (`_rank_entry`)."""
 
 
 class LaunchError(ValueError):
     """A launch that cannot start: the message says what and how to fix it, in one line."""
+
+
+# The `deepspeed` command's flags that change nothing here: the reason, said on stderr when one is given.
+_ONE_LAUNCHER = "ranks start through torchrun on each node (the same command on every node: nothing uses ssh)"
+_WITHOUT_EFFECT = {
+    "force_multi": "torchrun runs one node or many the same way",
+    "no_ssh_check": _ONE_LAUNCHER,
+    "ssh_port": _ONE_LAUNCHER,
+    "launcher": _ONE_LAUNCHER,
+    "launcher_args": _ONE_LAUNCHER,
+    "venv_script": "every node runs this command in the environment it is started from",
+    "save_pid": "torchrun's own process is the one to signal",
+    "log_level": "the launcher prints only its errors",
+    "quiet": "the launcher prints only its errors",
+}
+_WITHOUT_EFFECT_FLAGS: dict[str, dict[str, object]] = {
+    "force_multi": {"action": "store_true"},
+    "no_ssh_check": {"action": "store_true"},
+    "ssh_port": {"type": int, "default": None},
+    "launcher": {"default": None},
+    "launcher_args": {"default": None},
+    "venv_script": {"default": None},
+    "save_pid": {"action": "store_true"},
+    "log_level": {"default": None},
+}
+
+
+def _parse_cores(text: str) -> list[int]:
+    cores: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise LaunchError(f"--bind_core_list {text!r}: write cores as numbers and ranges, e.g. 1,3-5,7")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def without_effect(args: argparse.Namespace) -> list[str]:
+    """One line per given flag that changes nothing here, with the reason."""
+    return [
+        f"ds-plugin launch: --{name} has no effect here ({why})" for name, why in _WITHOUT_EFFECT.items()
+        if getattr(args, name, None) not in (None, False)
+    ]  # fmt: skip
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +102,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     flag("no_ssh", action="store_true", help="accepted: every node runs this same command (nothing uses ssh)")
     flag("no_local_rank", action="store_true", help="do not pass --local_rank to the script")
     flag("module", action="store_true", help="the script is a module name (python -m)")
+    flag(
+        "bind_cores_to_rank", action="store_true", help="pin each rank to its share of the cores (OMP_NUM_THREADS too)"
+    )
+    flag("bind_core_list", default=None, help="the cores --bind_cores_to_rank shares out, e.g. 0-7,16-23")
+    flag("enable_each_rank_log", default=None, help="write each rank's stdout and stderr to files in this directory")
+    flag("autotuning", default="", help="DeepSpeed's autotuner: not part of ds_plugin (refused)")
+    flag("no_python", action="store_true", help="run the script without python: refused (ranks run Python scripts)")
+    for name, kwargs in _WITHOUT_EFFECT_FLAGS.items():
+        flag(name, help="accepted without effect (said when given)", **kwargs)
+    parser.add_argument("-q", "--quiet", action="store_true", help="accepted without effect (said when given)")
     parser.add_argument("script", help="the training script (or module, with --module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
@@ -138,6 +197,10 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         raise LaunchError(f"--num_gpus {args.num_gpus}: must be at least 1")
     if args.num_nodes is not None and args.num_nodes < 1:
         raise LaunchError(f"--num_nodes {args.num_nodes}: must be at least 1")
+    if args.autotuning:
+        raise LaunchError("--autotuning: DeepSpeed's autotuner is not part of ds_plugin; launch without it")
+    if args.no_python:
+        raise LaunchError("--no_python: ranks run Python scripts here; launch the script itself (or use --module)")
     if args.hostfile:
         hosts = _read_hostfile(args.hostfile)
     else:
@@ -180,9 +243,12 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         f"--node-rank={node_rank}",
         f"--master-addr={master}",
         f"--master-port={args.master_port}",
-        "-m",
-        "ds_plugin.deepspeed._rank_entry",
     ]
+    if args.enable_each_rank_log not in (None, "None"):
+        # DeepSpeed's flag: each rank's output in its own files (torchrun's layout under the directory).
+        Path(args.enable_each_rank_log).mkdir(parents=True, exist_ok=True)
+        cmd += [f"--log-dir={args.enable_each_rank_log}", "--redirects=3"]
+    cmd += ["-m", "ds_plugin.deepspeed._rank_entry"]
     if args.no_local_rank:
         cmd.append("--no-local-rank")
     if args.module:
@@ -192,6 +258,11 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     slots = pool[names[node_rank]]
     if args.include or args.exclude:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots[:per_node]))
+    if args.bind_cores_to_rank or args.bind_core_list:
+        cores = _parse_cores(args.bind_core_list) if args.bind_core_list else sorted(os.sched_getaffinity(0))
+        if len(cores) < per_node:
+            raise LaunchError(f"--bind_cores_to_rank: {per_node} ranks need at least as many cores, got {len(cores)}")
+        env[BIND_CORES_ENV] = ",".join(map(str, cores))
     if not _cuda_devices():
         from ds_plugin.runtime.host_memory import rank_tunables
 
@@ -206,4 +277,6 @@ def run_launch(args: argparse.Namespace) -> int:
         args: the parsed `launch` arguments.
     """
     cmd, env = launch_plan(args)
+    for line in without_effect(args):
+        print(line, file=sys.stderr)
     return subprocess.call(cmd, env={**os.environ, **env})

@@ -127,13 +127,16 @@ class GatheredParameters(contextlib.AbstractContextManager):
         self._swapped: list[tuple[torch.Tensor, type]] = []
 
     def __enter__(self) -> None:
+        if any(p.device.type == "meta" for p in self.params):
+            # Built inside zero.Init: there is nothing to gather yet, and values written now would be lost.
+            raise ValueError(
+                "GatheredParameters: the parameters are still on the meta device (zero.Init defers them to initialize, "
+                "which materializes and shards them); load weights after initialize, or build the model with "
+                "ds_plugin.load_pretrained"
+            )
         with torch.no_grad():
             for p in self.params:
                 if isinstance(p, DTensor) and id(p) not in _FULL:
-                    if p.device.type == "meta":
-                        raise ValueError(
-                            "GatheredParameters: the model is still on the meta device; initialize it first"
-                        )
                     _FULL[id(p)] = p.full_tensor().detach().clone()
                     self._swapped.append((p, type(p)))
                     p.__class__ = _gathered_class(type(p))

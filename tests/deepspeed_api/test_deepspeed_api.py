@@ -45,7 +45,13 @@ def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.manual_seed(0)
     with deepspeed.zero.Init():
         net = _net()
+    net.forward_value = lambda: "forward_value"
     out["meta_before_initialize"] = net[0].weight.is_meta
+    try:  # nothing to gather before initialize: loading weights there would be lost, so it is refused
+        with deepspeed.zero.GatheredParameters(net[0].weight, modifier_rank=0):
+            pass
+    except ValueError as exc:
+        out["gather_on_meta"] = str(exc)
     args = argparse.Namespace(local_rank=rank, deepspeed_config=None)
     data = torch.utils.data.TensorDataset(torch.randn(32, 6), torch.randn(32, 2))
     engine, optimizer, loader, scheduler = deepspeed.initialize(
@@ -70,6 +76,25 @@ def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
         lrs.append(engine.get_lr()[0])
     out["boundaries"], out["lrs"], out["global_steps"] = boundaries, lrs, engine.global_steps
     out["module_is_engines"] = engine.module is engine.engine.module and engine.optimizer is optimizer
+    # What real scripts read off DeepSpeed's engine (an nn.Module holding the model as `module`, passing the model's
+    # own attributes through): DeepSpeed-Chat's `model.model`, HelloDeepSpeed's parameter count, cifar's dtype checks.
+    out["passthrough"] = [
+        engine.forward_value(),  # the model's own method (a reward model's, in DeepSpeed-Chat)
+        sum(p.numel() for p in engine.parameters()),
+        [n for n, _ in engine.named_parameters()][:2],
+        [n for n, _ in engine.named_modules()][:3],
+        sorted(engine.state_dict())[:2],
+        engine.bfloat16_enabled(),
+        engine.fp16_enabled(),
+        engine.gradient_clipping(),
+        engine.loss_scale(),
+        engine.get_mom(),
+        optimizer.overflow,
+    ]
+    try:
+        getattr(engine, "no_such_attribute")  # noqa: B009  (the lookup itself is what is tested)
+    except AttributeError as exc:
+        out["missing"] = str(exc)
     engine.eval()
     out["eval"] = not engine.module.training
     engine.train()
@@ -93,7 +118,9 @@ def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
     deepspeed.comm.barrier()
     out["comm"] = [deepspeed.comm.get_rank(), deepspeed.comm.get_world_size(), float(t)]
 
-    # checkpoints and the 16-bit model
+    # checkpoints (a step number as the tag, as scripts pass it) and the 16-bit model
+    engine.save_checkpoint(tmp, tag=7)
+    out["int_tag"] = (Path(tmp) / "7").is_dir()
     engine.save_checkpoint(tmp, tag="t")
     edited = engine.module[0].weight.full_tensor().clone()
     with deepspeed.zero.GatheredParameters(engine.module[0].weight, modifier_rank=0):
@@ -148,6 +175,22 @@ def test_initialize_returns_deepspeeds_four_and_the_engine_api(ranks):
         # DeepSpeed's linear warmup over 4 steps: step k (from 0) has 0.01 * k / 4; a boundary step advances it.
         assert r["lrs"] == pytest.approx([0.0, 0.0, 0.0, 0.0025])
         assert r["comm"] == [rank, 2, 3.0]
+        assert "still on the meta device" in r["gather_on_meta"] and "\n" not in r["gather_on_meta"]
+        assert r["passthrough"] == [
+            "forward_value",
+            6 * 8 + 8 + 8 * 2 + 2,  # the whole model's numel, though each rank holds half of it
+            ["module.0.weight", "module.0.bias"],
+            ["", "module", "module.0"],
+            ["module.0.bias", "module.0.weight"],
+            False,
+            False,
+            1.0,  # DeepSpeed's default clipping
+            1.0,  # no fp16: no loss scale
+            [(0.9, 0.999)],
+            False,  # no overflow without fp16
+        ]
+        assert "'DeepSpeedEngine' object has no attribute 'no_such_attribute'" in r["missing"]
+        assert r["int_tag"]
 
 
 def test_gathered_parameters_reads_full_and_edits_from_the_modifier_rank(ranks):
@@ -235,6 +278,21 @@ def test_launcher_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     cmd, _ = _launch_plan("--hostfile", str(hosts), "--num_nodes", "1", "--master_port", "1234", "--no_local_rank",
                           str(script))  # fmt: skip
     assert {"--nnodes=1", "--nproc-per-node=4", "--master-port=1234", "--no-local-rank"} <= set(cmd)
+    # DeepSpeed's CPU flags act: cores shared out to the ranks, each rank's output in its own files.
+    logs = tmp_path / "rank_logs"
+    cmd, env = _launch_plan("--num_gpus", "2", "--bind_core_list", "0-2,5", "--enable_each_rank_log", str(logs),
+                            str(script))  # fmt: skip
+    assert env["DS_PLUGIN_BIND_CORES"] == "0,1,2,5" and logs.is_dir()
+    assert cmd.index(f"--log-dir={logs}") < cmd.index("ds_plugin.deepspeed._rank_entry") and "--redirects=3" in cmd
+    from ds_plugin.deepspeed.launcher import add_launch_arguments, without_effect
+
+    parser = argparse.ArgumentParser()
+    add_launch_arguments(parser)
+    said = without_effect(parser.parse_args(["--force_multi", "--ssh_port", "22", "-q", str(script)]))
+    assert [line.split(" has no effect")[0] for line in said] == [
+        "ds-plugin launch: --force_multi", "ds-plugin launch: --ssh_port", "ds-plugin launch: --quiet"
+    ]  # fmt: skip
+    assert without_effect(parser.parse_args([str(script)])) == []
 
 
 @pytest.mark.parametrize(
@@ -248,6 +306,10 @@ def test_launcher_command_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         (["--hostfile", "{hosts}", "{script}"], "pass --node_rank"),
         (["--hostfile", "{hosts}", "--include", "other:0", "{script}"], "host 'other' is not in the host list"),
         (["--num_nodes", "2", "{script}"], "needs --hostfile"),
+        (["--autotuning", "tune", "{script}"], "autotuner is not part of ds_plugin"),
+        (["--no_python", "{script}"], "--no_python: ranks run Python scripts"),
+        (["--num_gpus", "2", "--bind_core_list", "3", "{script}"], "2 ranks need at least as many cores, got 1"),
+        (["--bind_core_list", "2-x", "{script}"], "--bind_core_list '2-x': write cores as numbers and ranges"),
     ],
 )
 def test_launcher_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv, words):
