@@ -13,9 +13,10 @@
 `initialize` reads the config (`config`, `config_params`, or `args.deepspeed_config`) before anything starts, joins
 the process group the launcher describes (`init_distributed`), and sets the model up with ds_plugin's one setup
 path: the JSON's `optimizer` block is built unless one is passed in code, and its `scheduler` block unless one is
-passed. `zero.Init`, `zero.GatheredParameters`, `checkpointing` (activation checkpointing) and `comm` are in their
-modules; `ds-plugin launch` (`launcher.py`) starts the ranks. The names load on first use, so the `ds-plugin` command
-can reach the launcher without torch. What is not covered, and why, is in the README ("DeepSpeed scripts").
+passed. `zero.Init`, `zero.GatheredParameters`, `checkpointing` (activation checkpointing), `comm`,
+`accelerator.get_accelerator` and `ops.adam` (`FusedAdam`, `DeepSpeedCPUAdam`) are in their modules; `ds-plugin
+launch` (`launcher.py`) starts the ranks. The names load on first use, so the `ds-plugin` command can reach the
+launcher without torch. What is not covered, and why, is in the README ("DeepSpeed scripts").
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from typing import Any
 
 __all__ = [
     "DeepSpeedEngine",
+    "accelerator",
     "add_config_arguments",
     "checkpointing",
     "comm",
     "init_distributed",
     "initialize",
     "launcher",
+    "ops",
     "zero",
 ]
 
@@ -43,7 +46,7 @@ _WHERE = {
     "init_distributed": "ds_plugin.deepspeed.comm",
     "DeepSpeedEngine": "ds_plugin.deepspeed.engine",
 }
-_MODULES = ("comm", "zero", "checkpointing", "launcher", "engine", "api")
+_MODULES = ("comm", "zero", "checkpointing", "launcher", "engine", "api", "accelerator", "ops")
 
 
 def __getattr__(name: str) -> Any:

@@ -151,7 +151,20 @@ def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "zero_optimization": {"stage": 1},
         "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
     }
+    from ds_plugin.deepspeed.ops.adam import FusedAdam
+
     engine1, *_ = deepspeed.initialize(model=net1, config=cfg1)
+    net_fused = _net()
+    fused_engine, fused_optimizer, *_ = deepspeed.initialize(
+        model=net_fused,
+        optimizer=FusedAdam(net_fused.parameters(), lr=1e-2),
+        config={k: v for k, v in cfg1.items() if k != "optimizer"},
+    )
+    before = [p.detach().clone() for p in fused_engine.module.parameters()]
+    fused_engine.backward(fused_engine(torch.ones(4, 6)).sum())
+    fused_engine.step()
+    moved = [(p.detach() - b).abs().max().item() for p, b in zip(fused_engine.module.parameters(), before, strict=True)]
+    out["fused_adam"] = (type(fused_optimizer).__name__, fused_optimizer.param_groups[0]["lr"], min(moved))
     with deepspeed.zero.GatheredParameters(engine1.module[2].bias, modifier_rank=0):
         engine1.module[2].bias.data.fill_(7.0 + rank)
     engine1.backward(engine1(torch.ones(4, 6)).sum())
@@ -199,6 +212,8 @@ def test_gathered_parameters_reads_full_and_edits_from_the_modifier_rank(ranks):
         assert r["edited"] == [1.0], "rank 0's edit, on every rank"
         assert r["local_shard_rows"] == 4, "the parameter is sharded again afterwards"
         assert r["stage1_bias"] == [7.0, 7.0]
+        name, lr, moved = r["fused_adam"]  # Adam's first step moves every weight by about lr
+        assert (name, lr) == ("AdamW", 1e-2) and moved > 1e-3
 
 
 def test_checkpoint_round_trip_and_16bit_model(ranks):
@@ -244,6 +259,36 @@ def test_refusals_are_one_line_before_any_process_group(tmp_path: Path):
             call()
         assert "\n" not in str(err.value) and words in str(err.value)
         assert not dist.is_initialized()
+
+
+def test_accelerator_and_adam_as_scripts_import_them():
+    # DeepSpeedExamples and DeepSpeed-Chat: `from deepspeed.accelerator import get_accelerator`,
+    # `from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam`, with `ds_plugin.deepspeed` in place of `deepspeed`.
+    from ds_plugin.deepspeed.accelerator import get_accelerator
+    from ds_plugin.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    acc = get_accelerator()
+    assert acc is deepspeed.accelerator.get_accelerator()
+    gpu = torch.cuda.is_available()
+    assert acc.device_name() == ("cuda" if gpu else "cpu")
+    assert acc.device_name(0) == ("cuda:0" if gpu else "cpu") and acc.device(0) == torch.device(acc.device_name(0))
+    assert acc.communication_backend_name() == ("nccl" if gpu else "gloo")
+    assert acc.current_device_name() == (f"cuda:{torch.cuda.current_device()}" if gpu else "cpu")
+    assert acc.memory_allocated() > 0 and acc.total_memory() >= acc.available_memory() > 0
+    acc.manual_seed(3)
+    a = torch.rand(2) if not gpu else torch.rand(2, device="cuda")
+    acc.manual_seed(3)
+    assert torch.equal(a, torch.rand(2) if not gpu else torch.rand(2, device="cuda"))
+    acc.empty_cache(), acc.synchronize()
+    params = [nn.Parameter(torch.ones(3))]
+    fused = FusedAdam(params, lr=2e-3, betas=(0.9, 0.95))  # DeepSpeed's defaults: weight decay 0
+    assert type(fused) is torch.optim.AdamW and fused.defaults["weight_decay"] == 0.0
+    assert fused.defaults["betas"] == (0.9, 0.95) and fused.defaults["lr"] == 2e-3
+    assert type(FusedAdam(params, adam_w_mode=False, weight_decay=0.1)) is torch.optim.Adam
+    assert type(DeepSpeedCPUAdam(params, adamw_mode=False)) is torch.optim.Adam
+    assert type(DeepSpeedCPUAdam(params, lr=1e-4, fp32_optimizer_states=True)) is torch.optim.AdamW
+    with pytest.raises(ValueError, match="bias_correction=False"):
+        FusedAdam(params, bias_correction=False)
 
 
 def _launch_plan(*argv: str) -> tuple[list[str], dict[str, str]]:
