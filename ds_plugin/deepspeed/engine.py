@@ -12,6 +12,7 @@ DeepSpeed's engine, which is an `nn.Module` holding the model as `module`, it an
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class DeepSpeedEngine:
         self.world_size = self.dp_world_size = dist.get_world_size()
         self.device = mesh_device(engine.mesh)
         self._applied = False
+        self.tput_timer = ThroughputTimer(engine.plan.config.train_batch_size)
+        self.monitor = _NoMonitors()
         if engine.optimizer is not None:
             engine.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step overflowed (fp16)
 
@@ -84,6 +87,20 @@ class DeepSpeedEngine:
         `ds_plugin.peft_adapters.full_state_dict` give whole ones)."""
         return self.engine.module.state_dict(destination=destination, prefix=_sub(prefix) + ".", keep_vars=keep_vars)
 
+    @property
+    def global_samples(self) -> int:
+        """Samples the optimizer steps have consumed: global steps x the global batch (0 when it is not known)."""
+        return self.engine.global_steps * (self.train_batch_size() or 0)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """Stage 3: the whole model's weights in the compute dtype on rank 0, an empty dict elsewhere (a collective)."""
+        from ds_plugin.peft_adapters import full_state_dict
+
+        if self.engine.stage != 3:
+            raise ValueError("_consolidated_16bit_state_dict is for stage 3, where weights are partitioned")
+        dtype = torch_dtype(self.engine.plan.compute_dtype)
+        return full_state_dict(self.engine, trainable_only=exclude_frozen_parameters, dtype=dtype)
+
     def bfloat16_enabled(self) -> bool:
         """Whether forward and backward run in bf16."""
         return self.engine.plan.compute_dtype == "bf16"
@@ -112,6 +129,7 @@ class DeepSpeedEngine:
         return self.engine.module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.tput_timer.start()
         return self.engine(*args, **kwargs)
 
     forward = __call__
@@ -150,6 +168,7 @@ class DeepSpeedEngine:
             raise ValueError("step(lr_kwargs=...): the engine steps its scheduler without arguments; drop lr_kwargs")
         boundary = self.engine.is_gradient_accumulation_boundary()
         stepped = self.engine.step()
+        self.tput_timer.stop(global_step=boundary)
         if boundary:
             self._applied = stepped
             if self.engine.optimizer is not None:
@@ -271,6 +290,58 @@ class DeepSpeedEngine:
             torch.save(state, Path(save_dir) / save_filename)
         dist.barrier()
         return True
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer`: samples per second over the steps after the first `start_step`, and the
+    epoch, micro-step and step counts. The engine starts it at each forward and stops it at each `step()`."""
+
+    def __init__(self, batch_size: int | None, start_step: int = 2) -> None:
+        self.batch_size = 1 if batch_size is None else int(batch_size)
+        self.start_step = start_step
+        self.epoch_count = self.micro_step_count = self.global_step_count = 0
+        self.total_elapsed_time = self.step_elapsed_time = 0.0
+        self.started = False
+        self._since = 0.0
+
+    def update_epoch_count(self) -> None:
+        """A new epoch: its micro-steps count from 0."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        if not self.started:
+            self.started, self._since = True, time.perf_counter()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """End a micro-step (`global_step`: an optimizer step); nothing is printed (`steps_per_print` is ignored)."""
+        if not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        elapsed = time.perf_counter() - self._since
+        self.step_elapsed_time += elapsed
+        if global_step:
+            self.global_step_count += 1
+            if self.global_step_count > self.start_step:
+                self.total_elapsed_time += self.step_elapsed_time
+            self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """The global batch over the mean time of the optimizer steps after the first `start_step` (0 before any)."""
+        steps = self.global_step_count - self.start_step
+        if steps <= 0 or self.total_elapsed_time <= 0:
+            return 0.0
+        return self.batch_size / (self.total_elapsed_time / steps)
+
+
+class _NoMonitors:
+    """`engine.monitor`: the config's monitors (tensorboard, wandb, csv) are reported ignored, so none is on."""
+
+    enabled = False
+
+    def write_events(self, event_list: Any) -> None:
+        """Nothing is written: no monitor is on (log through the framework's logger)."""
 
 
 def _sub(prefix: str) -> str:

@@ -75,6 +75,12 @@ def _api(rank: int, world: int, tmp: str) -> dict[str, Any]:
         engine.step()
         lrs.append(engine.get_lr()[0])
     out["boundaries"], out["lrs"], out["global_steps"] = boundaries, lrs, engine.global_steps
+    timer = engine.tput_timer  # DeepSpeed-Chat calls update_epoch_count() at each epoch's end
+    counts = (timer.micro_step_count, timer.global_step_count)
+    timer.update_epoch_count()
+    out["tput"] = (*counts, timer.epoch_count, timer.micro_step_count, engine.global_samples, engine.monitor.enabled)
+    consolidated = engine._consolidated_16bit_state_dict()
+    out["consolidated"] = sorted(consolidated), sorted({str(t.dtype) for t in consolidated.values()})
     out["module_is_engines"] = engine.module is engine.engine.module and engine.optimizer is optimizer
     # What real scripts read off DeepSpeed's engine (an nn.Module holding the model as `module`, passing the model's
     # own attributes through): DeepSpeed-Chat's `model.model`, HelloDeepSpeed's parameter count, cifar's dtype checks.
@@ -204,6 +210,9 @@ def test_initialize_returns_deepspeeds_four_and_the_engine_api(ranks):
         ]
         assert "'DeepSpeedEngine' object has no attribute 'no_such_attribute'" in r["missing"]
         assert r["int_tag"]
+        assert r["tput"] == (4, 2, 1, 0, 2 * 16, False)  # 4 micro-steps; 2 optimizer steps of 4 x 2 x 2 ranks samples
+        keys = ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert r["consolidated"] == ((keys, ["torch.float32"]) if rank == 0 else ([], []))
 
 
 def test_gathered_parameters_reads_full_and_edits_from_the_modifier_rank(ranks):
