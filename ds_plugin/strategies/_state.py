@@ -18,6 +18,7 @@ from torch import nn
 from ds_plugin.config import TrainingConfig
 from ds_plugin.presets import ConfigSource, load_config
 from ds_plugin.runtime.faults import default_timeout, peer_failure_guard
+from ds_plugin.strategies._deepspeed_kwargs import translate
 from ds_plugin.strategies.lightning_precision import ZeroPrecision, to_zero_precision
 from ds_plugin.zero.apply import is_zero_applied
 from ds_plugin.zero.engine import ZeroEngine
@@ -74,7 +75,8 @@ class ZeroStrategyState:
         framework = {k: v for k, v in kwargs.items() if k in self._FRAMEWORK_ARGS}
         # Lightning's default is torch's 30 minutes; a dead or frozen rank should end the job sooner.
         framework.setdefault("timeout", default_timeout())
-        overrides = {k: v for k, v in kwargs.items() if k not in self._FRAMEWORK_ARGS}
+        # Lightning's own DeepSpeedStrategy keywords (stage=3, offload_optimizer=True, ...) as DeepSpeed overrides.
+        overrides = translate({k: v for k, v in kwargs.items() if k not in self._FRAMEWORK_ARGS}, type(self).__name__)
         options = ("config", "block_types", "sync_module_states", "exclude_frozen_parameters", *self._FRAMEWORK_ARGS)
         self._config = load_config(config, overrides, owner=type(self).__name__, options=options)
         self._block_types = block_types

@@ -5,6 +5,7 @@ config's "auto" values and DeepSpeed defaults meet the Trainer's arguments. Noth
 from __future__ import annotations
 
 import importlib
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -54,13 +55,44 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
         ),
         ({"gradient_cliping": 1.0}, "unknown option 'gradient_cliping'; did you mean 'gradient_clipping'?"),
         ({"sync_module_state": False}, "did you mean 'sync_module_states'?"),
-        ({"stage": 3}, "unknown option 'stage'; it is a ZeRO setting, pass zero_optimization={'stage': ...}"),
+        (
+            {"stage3_max_live_parameters": 1},
+            "unknown option 'stage3_max_live_parameters'; it is a ZeRO setting, pass "
+            "zero_optimization={'stage3_max_live_parameters': ...}",
+        ),
     ],
 )
 def test_unknown_option_names_the_closest(cls: type, kwargs: dict, expected: str) -> None:
     with pytest.raises(ConfigError) as exc:
         cls("zero3", **kwargs)
     assert expected in one_line(exc)
+
+
+@pytest.mark.parametrize("cls", [ZeroStrategy, ZeroFabricStrategy])
+def test_lightning_deepspeed_strategy_keywords(cls: type, caplog: pytest.LogCaptureFixture) -> None:
+    # Lightning's DeepSpeedStrategy(stage=..., offload_optimizer=..., ...): the class name is all that changes.
+    with caplog.at_level(logging.INFO, logger="ds_plugin.strategies._deepspeed_kwargs"):
+        s = cls(
+            "zero3",
+            stage=2,
+            offload_optimizer=True,
+            pin_memory=False,
+            allgather_bucket_size=5e8,
+            loss_scale_window=500,
+            cpu_checkpointing=True,
+            logging_batch_size_per_gpu=4,
+        )
+    zero = s.config.zero_optimization
+    assert (zero.stage, zero.offload_optimizer.device, zero.offload_optimizer.pin_memory) == (2, "cpu", False)
+    assert s.config.fp16.loss_scale_window == 500
+    # What the config does not act on is reported as such, and Lightning's own keyword is said to have no effect.
+    assert {"zero_optimization.allgather_bucket_size", "activation_checkpointing"} <= set(s.config.ignored_keys())
+    assert "logging_batch_size_per_gpu has no effect here" in caplog.text
+    assert cls("zero2", offload_parameters=True, stage=3).config.zero_optimization.offload_param.device == "cpu"
+    assert cls("zero3", zero_optimization=False).config.stage == 0
+    with pytest.raises(ConfigError) as exc:  # NVMe is refused where DeepSpeed's key would be
+        cls("zero3", offload_optimizer=True, offload_optimizer_device="nvme")
+    assert '"nvme" offload is not supported' in one_line(exc)
 
 
 def test_unknown_preset_and_bad_config_key() -> None:
