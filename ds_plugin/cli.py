@@ -73,14 +73,11 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def _accelerate_config(path: str) -> tuple[Any, dict[str, str], str] | None:
-    """For an Accelerate config file: the DeepSpeed config it makes, its keys without effect and how to launch it."""
+def _accelerate_config(path: str, data: Any) -> tuple[Any, dict[str, str], str] | None:
+    """For an Accelerate config file (`data`, read from `path`): the DeepSpeed config it makes, its keys without
+    effect and how to launch it; None for any other file."""
     from ds_plugin._accelerate_yaml import accelerate_type, deepspeed_config_block, deepspeed_section
-    from ds_plugin._config_file import read_config_file
 
-    if Path(path).suffix.lower() not in (".yaml", ".yml", ".json"):
-        return None
-    data = read_config_file(Path(path))
     kind = accelerate_type(data)
     if kind is None:
         return None
@@ -99,17 +96,20 @@ def _accelerate_config(path: str) -> tuple[Any, dict[str, str], str] | None:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
+    from ds_plugin._config_file import read_config_file
     from ds_plugin.config import from_deepspeed
     from ds_plugin.presets import PRESETS, get_preset
 
     launch, accelerate_ignored = None, {}
     try:
-        accelerate = None if args.file in PRESETS else _accelerate_config(args.file)
-        if accelerate is not None:
-            source, accelerate_ignored, launch = accelerate
-            cfg = from_deepspeed(source)
+        if args.file in PRESETS:
+            cfg = get_preset(args.file)
         else:
-            cfg = get_preset(args.file) if args.file in PRESETS else from_deepspeed(args.file)
+            data = read_config_file(Path(args.file))
+            accelerate = _accelerate_config(args.file, data)
+            if accelerate is not None:
+                data, accelerate_ignored, launch = accelerate
+            cfg = from_deepspeed(data)
     except RecursionError:
         # json and PyYAML parse nested containers recursively: a file nested thousands deep is hostile input.
         raise UsageError(f"{args.file}: nested too deeply to read; is it a DeepSpeed config?") from None

@@ -38,28 +38,21 @@ class LaunchError(ValueError):
     """A launch that cannot start: the message says what and how to fix it, in one line."""
 
 
-# The `deepspeed` command's flags that change nothing here: the reason, said on stderr when one is given.
+# The `deepspeed` command's flags that change nothing here: how each parses, and the reason said on stderr when one is
+# given (`-q` is spelled apart: it has a short form).
 _ONE_LAUNCHER = "ranks start through torchrun on each node (the same command on every node: nothing uses ssh)"
-_WITHOUT_EFFECT = {
-    "force_multi": "torchrun runs one node or many the same way",
-    "no_ssh_check": _ONE_LAUNCHER,
-    "ssh_port": _ONE_LAUNCHER,
-    "launcher": _ONE_LAUNCHER,
-    "launcher_args": _ONE_LAUNCHER,
-    "venv_script": "every node runs this command in the environment it is started from",
-    "save_pid": "torchrun's own process is the one to signal",
-    "log_level": "the launcher prints only its errors",
-    "quiet": "the launcher prints only its errors",
-}
-_WITHOUT_EFFECT_FLAGS: dict[str, dict[str, object]] = {
-    "force_multi": {"action": "store_true"},
-    "no_ssh_check": {"action": "store_true"},
-    "ssh_port": {"type": int, "default": None},
-    "launcher": {"default": None},
-    "launcher_args": {"default": None},
-    "venv_script": {"default": None},
-    "save_pid": {"action": "store_true"},
-    "log_level": {"default": None},
+_SWITCH: dict[str, object] = {"action": "store_true"}
+_VALUE: dict[str, object] = {"default": None}
+_WITHOUT_EFFECT: dict[str, tuple[dict[str, object], str]] = {
+    "force_multi": (_SWITCH, "torchrun runs one node or many the same way"),
+    "no_ssh_check": (_SWITCH, _ONE_LAUNCHER),
+    "ssh_port": ({"type": int, "default": None}, _ONE_LAUNCHER),
+    "launcher": (_VALUE, _ONE_LAUNCHER),
+    "launcher_args": (_VALUE, _ONE_LAUNCHER),
+    "venv_script": (_VALUE, "every node runs this command in the environment it is started from"),
+    "save_pid": (_SWITCH, "torchrun's own process is the one to signal"),
+    "log_level": (_VALUE, "the launcher prints only its errors"),
+    "quiet": (_SWITCH, "the launcher prints only its errors"),
 }
 
 
@@ -76,7 +69,7 @@ def _parse_cores(text: str) -> list[int]:
 def without_effect(args: argparse.Namespace) -> list[str]:
     """One line per given flag that changes nothing here, with the reason."""
     return [
-        f"ds-plugin launch: --{name} has no effect here ({why})" for name, why in _WITHOUT_EFFECT.items()
+        f"ds-plugin launch: --{name} has no effect here ({why})" for name, (_, why) in _WITHOUT_EFFECT.items()
         if getattr(args, name, None) not in (None, False)
     ]  # fmt: skip
 
@@ -109,9 +102,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     flag("enable_each_rank_log", default=None, help="write each rank's stdout and stderr to files in this directory")
     flag("autotuning", default="", help="DeepSpeed's autotuner: not part of ds_plugin (refused)")
     flag("no_python", action="store_true", help="run the script without python: refused (ranks run Python scripts)")
-    for name, kwargs in _WITHOUT_EFFECT_FLAGS.items():
-        flag(name, help="accepted without effect (said when given)", **kwargs)
-    parser.add_argument("-q", "--quiet", action="store_true", help="accepted without effect (said when given)")
+    for name, (kwargs, _) in _WITHOUT_EFFECT.items():
+        names = ("-q", "--quiet") if name == "quiet" else (f"--{name}", f"--{name.replace('_', '-')}")
+        parser.add_argument(*names, dest=name, help="accepted without effect (said when given)", **kwargs)
     parser.add_argument("script", help="the training script (or module, with --module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
 

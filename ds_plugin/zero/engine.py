@@ -186,8 +186,7 @@ class ZeroEngine(EngineStateDicts):
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._creating_state:
             return
-        self._overflow = None  # the next step's gradients are new
-        self._clipped_to = None
+        self._new_gradients()  # the next step's are new
         if self._replicated is not None:
             self._replicated.sync_params()
 
@@ -277,8 +276,7 @@ class ZeroEngine(EngineStateDicts):
             scale_wrt_gas: divide the loss by `gradient_accumulation_steps` (DeepSpeed's default); pass False
                 when the caller already normalised it (Lightning does).
         """
-        self._overflow = None  # new gradients: a verdict cached before them is stale
-        self._clipped_to = None
+        self._new_gradients()
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
@@ -330,6 +328,11 @@ class ZeroEngine(EngineStateDicts):
                     if p.grad is not None:
                         (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(inverse)
         return not self._overflow
+
+    def _new_gradients(self) -> None:
+        """Forget what was found out about the previous gradients (overflow, an explicit clip): they are gone."""
+        self._overflow = None
+        self._clipped_to = None
 
     def _check_clip_point(self, what: str) -> None:
         if not self.is_gradient_accumulation_boundary():
@@ -448,8 +451,7 @@ class ZeroEngine(EngineStateDicts):
 
     def zero_grad(self) -> None:
         """Drop every gradient: the optimizer's, the model's and any accumulation buffer."""
-        self._overflow = None
-        self._clipped_to = None
+        self._new_gradients()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)  # local stand-ins too, when there are any
         for p in self.trainable_parameters():
