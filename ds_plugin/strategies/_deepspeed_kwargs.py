@@ -67,7 +67,8 @@ def translate(kwargs: Mapping[str, Any], owner: str) -> dict[str, Any]:
     if kwargs.get("zero_optimization") is False:
         zero["stage"] = 0
     zero.update({k: kwargs[k] for k in _ZERO if k in kwargs})
-    pin = {"pin_memory": kwargs["pin_memory"]} if "pin_memory" in kwargs else {}
+    # Lightning writes its own default (False) into each offload block it makes; DeepSpeed's is True.
+    pin = {"pin_memory": kwargs.get("pin_memory", False)}
     if kwargs.get("offload_optimizer"):
         zero["offload_optimizer"] = {"device": kwargs.get("offload_optimizer_device", "cpu"), **pin}
     if kwargs.get("offload_parameters"):

@@ -11,6 +11,12 @@ What is registered is a small factory per framework that imports the adapter mod
 adapter class: registering therefore never imports `ds_plugin.strategies.lightning` / `fabric`, which import
 Lightning, so there is no import loop whichever module loads first. Registering is idempotent; a name some other
 package already registered is left alone (with a warning) rather than silently taken over.
+
+One exception, so that a Lightning script written for DeepSpeed runs unchanged: where DeepSpeed is not installed,
+Lightning's own DeepSpeed names (`Trainer(strategy="deepspeed_stage_3")`, "deepspeed_stage_2_offload", ... as the
+installed Lightning registers them) would only raise Lightning's "you must have DeepSpeed installed"; they then build
+ds_plugin's strategy with the same ZeRO stage and offload keywords instead (`deepspeed_names`). Where DeepSpeed is
+installed they stay Lightning's.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any
 
-__all__ = ["STRATEGY_NAMES", "register_lightning_strategies", "register_when_lightning_loads"]
+__all__ = ["STRATEGY_NAMES", "deepspeed_names", "register_lightning_strategies", "register_when_lightning_loads"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,68 @@ def fabric_strategy(**kwargs: Any) -> Any:
     return ZeroFabricStrategy(**kwargs)
 
 
+#: Lightning's DeepSpeedStrategy reads its config from this variable when none is passed, ignoring its keywords then.
+LIGHTNING_CONFIG_ENV = "PL_DEEPSPEED_CONFIG_PATH"
+
+
+def _deepspeed_name(factory: Any, lightning_name: str, **params: Any) -> Any:
+    # What one of Lightning's DeepSpeed names builds here: the ZeRO stage its keywords name (Lightning's default is 2)
+    # as the preset, the keywords merged over it as `ZeroStrategy` reads Lightning's DeepSpeedStrategy keywords.
+    path = os.environ.get(LIGHTNING_CONFIG_ENV)
+    if path:
+        logger.info(
+            "strategy=%r: the config is %s=%s; the name's own settings %s are not used, as in Lightning",
+            lightning_name, LIGHTNING_CONFIG_ENV, path, params or "(stage 2)",
+        )  # fmt: skip
+        config, params = path, {}
+    else:
+        config = f"zero{params.get('stage', 2)}"
+    logger.info("strategy=%r runs on ds_plugin's ZeRO (DeepSpeed is not installed): config %s", lightning_name, config)
+    return factory(config=config, **params)
+
+
+def trainer_deepspeed_name(lightning_name: str, **params: Any) -> Any:
+    """What `Trainer(strategy="deepspeed_stage_3")` builds where DeepSpeed is not installed: a `ZeroStrategy`."""
+    return _deepspeed_name(trainer_strategy, lightning_name, **params)
+
+
+def fabric_deepspeed_name(lightning_name: str, **params: Any) -> Any:
+    """What `Fabric(strategy="deepspeed_stage_3")` builds where DeepSpeed is not installed: a `ZeroFabricStrategy`."""
+    return _deepspeed_name(fabric_strategy, lightning_name, **params)
+
+
+def _deepspeed_installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _is_lightnings_deepspeed(strategy: Any) -> bool:
+    return getattr(strategy, "__name__", None) == "DeepSpeedStrategy" and str(
+        getattr(strategy, "__module__", "")
+    ).startswith("lightning.")
+
+
+def deepspeed_names(registry: Any, factory: Any) -> list[str]:
+    """Point Lightning's DeepSpeed names in `registry` at `factory` (`trainer_deepspeed_name` or
+    `fabric_deepspeed_name`) where DeepSpeed is not installed; returns the names that now build ds_plugin's strategy.
+
+    Each keeps Lightning's keywords for it (`stage=3, offload_optimizer=True, ...`); names some other package
+    registered, and every name where DeepSpeed is installed, are left as they are.
+    """
+    if _deepspeed_installed():
+        return []
+    taken = []
+    for name, entry in list(dict.items(registry)):
+        strategy = entry["strategy"]
+        if _is_lightnings_deepspeed(strategy):
+            params = {k: v for k, v in entry["init_params"].items() if k != "lightning_name"}
+            description = f"{entry['description']} (ds_plugin's ZeRO on FSDP2: DeepSpeed is not installed)"
+            registry.register(name, factory, description=description, override=True, lightning_name=name, **params)
+        elif _qualname(strategy) != _qualname(factory):
+            continue
+        taken.append(name)
+    return taken
+
+
 def _qualname(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
@@ -77,7 +146,8 @@ def _register_names(registry: Any, factory: Any) -> None:
 
 
 def register_lightning_strategies() -> list[str]:
-    """Make `Trainer(strategy="zeropp")` and the other names work (and `Fabric(strategy=...)` alike).
+    """Make `Trainer(strategy="zeropp")` and the other names work (and `Fabric(strategy=...)` alike), and Lightning's
+    DeepSpeed names too where DeepSpeed is not installed (`deepspeed_names`).
 
     Safe to call any number of times. Returns the names registered for the Trainer.
 
@@ -89,6 +159,8 @@ def register_lightning_strategies() -> list[str]:
 
     _register_names(StrategyRegistry, trainer_strategy)
     _register_names(STRATEGY_REGISTRY, fabric_strategy)
+    deepspeed_names(StrategyRegistry, trainer_deepspeed_name)
+    deepspeed_names(STRATEGY_REGISTRY, fabric_deepspeed_name)
     return list(STRATEGY_NAMES)
 
 

@@ -198,6 +198,59 @@ def test_a_name_registered_by_someone_else_is_left_alone() -> None:
     assert isinstance(fresh.get("zeropp"), ZeroStrategy)
 
 
+def test_lightnings_deepspeed_names_build_zero_where_deepspeed_is_absent(monkeypatch, tmp_path) -> None:
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeed
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    trainers, fabrics = _StrategyRegistry(), _StrategyRegistry()
+    DeepSpeedStrategy.register_strategies(trainers)
+    FabricDeepSpeed.register_strategies(fabrics)
+    trainers.register("deepspeed_mine", dict, description="someone else's")
+    lightnings = sorted(k for k in trainers if k != "deepspeed_mine")
+    monkeypatch.setattr(registry, "_deepspeed_installed", lambda: True)  # installed: Lightning's names stay its own
+    assert registry.deepspeed_names(trainers, registry.trainer_deepspeed_name) == []
+    assert trainers["deepspeed_stage_3"]["strategy"] is DeepSpeedStrategy
+    monkeypatch.setattr(registry, "_deepspeed_installed", lambda: False)
+    for _ in range(2):  # idempotent
+        assert sorted(registry.deepspeed_names(trainers, registry.trainer_deepspeed_name)) == lightnings
+        assert trainers["deepspeed_stage_2_offload"]["init_params"] == {
+            "lightning_name": "deepspeed_stage_2_offload", "stage": 2, "offload_optimizer": True
+        }  # fmt: skip
+    assert trainers["deepspeed_mine"]["strategy"] is dict
+    assert "deepspeed_stage_1_offload" in registry.deepspeed_names(fabrics, registry.fabric_deepspeed_name)
+
+    def zero(strategy, cls):
+        assert isinstance(strategy, cls), type(strategy)
+        z = strategy.config.zero_optimization
+        return z.stage, z.offload_optimizer.device, z.offload_optimizer.pin_memory, z.offload_param.device
+
+    assert zero(trainers.get("deepspeed"), ZeroStrategy) == (2, "none", True, "none")  # Lightning's default stage
+    assert zero(trainers.get("deepspeed_stage_1"), ZeroStrategy)[0] == 1
+    assert zero(trainers.get("deepspeed_stage_3"), ZeroStrategy) == (3, "none", True, "none")
+    # Lightning's offload blocks: its pin_memory default (False) rides along, as it writes it.
+    assert zero(trainers.get("deepspeed_stage_3_offload"), ZeroStrategy) == (3, "cpu", False, "cpu")
+    assert zero(fabrics.get("deepspeed_stage_1_offload"), ZeroFabricStrategy) == (1, "cpu", False, "none")
+    with pytest.raises(ConfigError) as exc:
+        trainers.get("deepspeed_stage_3_offload_nvme")
+    assert '"nvme" offload is not supported' in one_line(exc)
+    # Lightning's config variable: the file decides and the name's keywords are not used, as in Lightning.
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 1}, "gradient_clipping": 0.5}')
+    monkeypatch.setenv(registry.LIGHTNING_CONFIG_ENV, str(config))
+    from_env = trainers.get("deepspeed_stage_3_offload")
+    assert zero(from_env, ZeroStrategy) == (1, "none", True, "none") and from_env.config.gradient_clipping == 0.5
+    monkeypatch.delenv(registry.LIGHTNING_CONFIG_ENV)
+    # The Trainer itself, through Lightning's own registry.
+    saved = {name: dict.get(StrategyRegistry, name) for name in lightnings}
+    try:
+        registry.deepspeed_names(StrategyRegistry, registry.trainer_deepspeed_name)
+        trainer = pl.Trainer(strategy="deepspeed_stage_2", accelerator="cpu", devices=2, logger=False)
+        assert zero(trainer.strategy, ZeroStrategy)[0] == 2
+    finally:
+        dict.update(StrategyRegistry, saved)
+
+
 def test_without_registration_lightning_rejects_the_name() -> None:
     # dict methods: the registry's own `get` (which monkeypatch would call) instantiates the strategy.
     saved = {name: dict.pop(StrategyRegistry, name) for name in NAMES}
