@@ -275,7 +275,7 @@ def test_configs_as_published_are_read():
     assert openrlhf.zero_optimization.stage3_max_live_parameters == 1_000_000_000
     assert openrlhf.ignored["zero_optimization.sub_group_size"][0] == "auto"
     assert from_deepspeed(openrlhf.to_deepspeed()) == openrlhf
-    with pytest.raises(ConfigError, match="^communication_data_type"):  # the top level is read as written
+    with pytest.raises(ConfigError, match=r"^communication_data_type"):  # the top level is read as written
         from_deepspeed({"communication_data_type": "auto"})
     # LLaMA-Factory's ALST config: sequence parallelism on is refused in one line; switched off, it is reported.
     with pytest.raises(ConfigError, match=r"^sequence_parallel: sequence parallelism \(ALST/Ulysses\) is not part"):

@@ -27,7 +27,7 @@ from pathlib import Path
 from ds_plugin.accelerate.plugin import CONFIG_ENV, ZeroPlugin
 from ds_plugin.config import ConfigError
 
-__all__ = ["install", "main", "use_cpu_for_gpu_less_launch"]
+__all__ = ["install", "main", "switch_on_for_launch", "use_cpu_for_gpu_less_launch"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,19 @@ def install() -> None:
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
     install_transformers_hooks()
+
+
+def switch_on_for_launch() -> None:
+    """What the bootstrap does before the script, done by a `ds-plugin launch` rank whose HF script builds
+    `TrainingArguments(deepspeed=...)` (`ds_plugin.accelerate.hf.install_for_launch`): the config is that argument."""
+    _configure_logging("info")
+    from ds_plugin.accelerate.settings import refuse_other_engines
+
+    refuse_other_engines()
+    if use_cpu_for_gpu_less_launch():
+        logger.info("no GPU in a %s-process launch: ACCELERATE_USE_CPU=true (gloo)", os.environ.get("WORLD_SIZE"))
+    logger.info("TrainingArguments(deepspeed=...) under ds-plugin launch: the HF Trainer runs on ds_plugin's engine")
+    install()
 
 
 def use_cpu_for_gpu_less_launch() -> bool:

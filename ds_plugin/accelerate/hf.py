@@ -28,7 +28,6 @@ four of its steps are mapped here, each only when the Trainer's accelerator is a
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import importlib.util
 import logging
 import os
@@ -37,6 +36,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from ds_plugin._after_import import after_import
 from ds_plugin.accelerate.checkpoint import has_engine_state, load_engine_state, save_engine_state
 from ds_plugin.accelerate.plugin import CONFIG_ENV, ZeroPlugin
 from ds_plugin.config import ConfigError
@@ -49,43 +49,39 @@ logger = logging.getLogger(__name__)
 _MARK = "_ds_plugin_hook"
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `callback(module)` right after the module `name` finishes importing (one shot)."""
-
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.callback = callback
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != self.name:
-            return None
-        sys.meta_path.remove(self)  # one shot; the lookup below must not find this finder again
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            run_module = spec.loader.exec_module
-            callback = self.callback
-
-            def exec_module(module: ModuleType) -> None:
-                run_module(module)
-                callback(module)
-
-            spec.loader.exec_module = exec_module
-        return spec
-
-
-def _after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
-    if name in sys.modules:
-        callback(sys.modules[name])
-    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(name, callback))
+# Whether this process's TrainingArguments are ds_plugin's: the bootstrap ran (`install_transformers_hooks`), or a
+# `ds-plugin launch` rank met TrainingArguments(deepspeed=...) and switched on (`install_for_launch`).
+_ACTIVE = False
+_SWITCH_ON: Callable[[], None] | None = None
 
 
 def install_transformers_hooks() -> None:
     """Hook `TrainingArguments` and `Trainer` now, or when transformers loads them (idempotent)."""
+    global _ACTIVE
     if importlib.util.find_spec("transformers") is None:
         return
-    _after_import("transformers.training_args", _hook_training_args)
-    _after_import("transformers.trainer", _hook_trainer)
+    _ACTIVE = True
+    after_import("transformers.training_args", _hook_training_args)
+    after_import("transformers.trainer", _hook_trainer)
+
+
+def install_for_launch(switch_on: Callable[[], None]) -> None:
+    """`ds-plugin launch`'s ranks: an HF script started the DeepSpeed way (`deepspeed run_clm.py --deepspeed
+    ds_config.json`) runs on the engine, and any other script is left alone.
+
+    `TrainingArguments` stay transformers' own until one is built with `deepspeed=...` set; that one first calls
+    `switch_on` (the bootstrap's `install`: Accelerate and the Trainer hooked as under `python -m
+    ds_plugin.accelerate`) and its DeepSpeed config becomes the Trainer's ds_plugin config. Without it, as under
+    DeepSpeed's launcher, the Trainer runs plain data parallel.
+
+    Args:
+        switch_on: called once, before the first `TrainingArguments(deepspeed=...)` goes on being built.
+    """
+    global _SWITCH_ON
+    if importlib.util.find_spec("transformers") is None:
+        return
+    _SWITCH_ON = switch_on
+    after_import("transformers.training_args", _hook_training_args)
 
 
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -129,8 +125,11 @@ def _collective_timeout(args: Any) -> None:
 def _hook_training_args(module: ModuleType) -> None:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __post_init__(self: Any) -> None:
-            _take_deepspeed_config(self)
-            _collective_timeout(self)
+            if not _ACTIVE and _SWITCH_ON is not None and getattr(self, "deepspeed", None):
+                _SWITCH_ON()  # installs the hooks: _ACTIVE from here on
+            if _ACTIVE:
+                _take_deepspeed_config(self)
+                _collective_timeout(self)
             original(self)
 
         return __post_init__

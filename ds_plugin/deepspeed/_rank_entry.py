@@ -2,7 +2,10 @@
 
 torchrun starts `python -m ds_plugin.deepspeed._rank_entry [--no-local-rank] [--module] script args...` per rank;
 this puts `--local_rank=$LOCAL_RANK` right after the script name (where DeepSpeed's launcher puts it) and runs the
-script as `__main__`.
+script as `__main__`. An HF script started the DeepSpeed way (`run_clm.py --deepspeed ds_config.json`) trains on
+the engine: once transformers loads `TrainingArguments`, one built with `deepspeed=...` switches the rank to ds_plugin's
+Accelerate path (`ds_plugin.accelerate.hf.install_for_launch`); nothing is imported for that before then. A
+config the script's ds_plugin calls refuse ends the rank in one line.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from types import ModuleType
+
+from ds_plugin._after_import import after_import
 
 
 def _bind_cores() -> None:
@@ -23,6 +29,23 @@ def _bind_cores() -> None:
     mine = cores[rank * per_rank : (rank + 1) * per_rank]
     os.sched_setaffinity(0, mine)
     os.environ["OMP_NUM_THREADS"] = str(per_rank)  # before the script imports torch, which reads it once
+
+
+def _hf_trainer_on_the_engine(training_args: ModuleType) -> None:
+    # Runs when the script imports transformers' TrainingArguments (so transformers and Accelerate are there).
+    from ds_plugin.accelerate.bootstrap import switch_on_for_launch
+    from ds_plugin.accelerate.hf import install_for_launch
+
+    install_for_launch(switch_on_for_launch)
+
+
+def _run(script: str, args: list[str], as_module: bool) -> None:
+    sys.argv = [script, *args]
+    if as_module:
+        runpy.run_module(script, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
 
 
 def main(argv: list[str]) -> None:
@@ -41,12 +64,14 @@ def main(argv: list[str]) -> None:
     _bind_cores()
     if local_rank_arg:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
-    sys.argv = [script, *args]
-    if as_module:
-        runpy.run_module(script, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
+    after_import("transformers.training_args", _hf_trainer_on_the_engine)
+    try:
+        _run(script, args, as_module)
+    except Exception as exc:
+        schema = sys.modules.get("ds_plugin._schema")  # loaded if ds_plugin raised it
+        if schema is not None and isinstance(exc, schema.ConfigError):
+            sys.exit(f"ds_plugin: {exc}")
+        raise
 
 
 if __name__ == "__main__":

@@ -230,7 +230,7 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "ds_plugin.deepspeed._agent",  # torchrun, a failed rank reported in one line
         f"--nnodes={len(names)}",
         f"--nproc-per-node={per_node}",
         f"--node-rank={node_rank}",

@@ -21,12 +21,13 @@ installed they stay Lightning's.
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import logging
 import os
 import sys
 from typing import Any
+
+from ds_plugin._after_import import after_import
 
 __all__ = ["STRATEGY_NAMES", "deepspeed_names", "register_lightning_strategies", "register_when_lightning_loads"]
 
@@ -164,34 +165,13 @@ def register_lightning_strategies() -> list[str]:
     return list(STRATEGY_NAMES)
 
 
-class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
-    """Registers the names right after the `lightning` package finishes importing.
-
-    Any `from lightning.pytorch import Trainer` imports the `lightning` package first, and its `__init__` loads
-    both `lightning.pytorch` and `lightning.fabric`, so the names are in place before a Trainer or Fabric can
-    look them up.
-    """
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "lightning":
-            return None
-        sys.meta_path.remove(self)  # one shot, and the lookup below must not find this finder again
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            run_module = spec.loader.exec_module
-
-            def exec_module(module: Any) -> None:
-                run_module(module)
-                register_lightning_strategies()
-
-            spec.loader.exec_module = exec_module
-        return spec
+def _register_loaded(_module: Any) -> None:
+    # Any `from lightning.pytorch import Trainer` imports the `lightning` package first, and its `__init__` loads both
+    # `lightning.pytorch` and `lightning.fabric`, so the names are in place before a Trainer or Fabric can look them up.
+    register_lightning_strategies()
 
 
 def register_when_lightning_loads() -> None:
     """Register the names now if Lightning is imported, else as soon as it is; nothing if it is not installed."""
-    if "lightning" in sys.modules:
-        register_lightning_strategies()
-    elif importlib.util.find_spec("lightning") is not None:
-        if not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
-            sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+    if "lightning" in sys.modules or importlib.util.find_spec("lightning") is not None:
+        after_import("lightning", _register_loaded)

@@ -1,0 +1,41 @@
+"""The agent of `ds-plugin launch`: torchrun (`torch.distributed.run`) itself, except that a rank that fails is
+reported in one line rather than torchrun's error table and the agent's own traceback. The failed rank's output
+(a one-line refusal from ds_plugin, or the script's traceback) is already above it.
+
+    python -m ds_plugin.deepspeed._agent <torchrun arguments>
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _how(exitcode: int) -> str:
+    return f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+
+
+def main(argv: list[str]) -> int:
+    """Run torchrun with `argv`; returns the exit code (the first failed rank's, 1 for a signal).
+
+    Args:
+        argv: torchrun's command line, without the program name.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        rank, first = exc.get_first_failure()
+        others = ", ".join(f"rank {r} ({_how(f.exitcode)})" for r, f in sorted(exc.failures.items()) if r != rank)
+        print(
+            f"ds-plugin launch: rank {rank} (local rank {first.local_rank}) ended with {_how(first.exitcode)}, its "
+            f"output above says why" + (f"; the others: {others}" if others else ""),
+            file=sys.stderr,
+        )
+        return first.exitcode if 0 < first.exitcode < 256 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
