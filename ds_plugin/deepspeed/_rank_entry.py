@@ -4,8 +4,9 @@ torchrun starts `python -m ds_plugin.deepspeed._rank_entry [--no-local-rank] [--
 this puts `--local_rank=$LOCAL_RANK` right after the script name (where DeepSpeed's launcher puts it) and runs the
 script as `__main__`. An HF script started the DeepSpeed way (`run_clm.py --deepspeed ds_config.json`) trains on
 the engine: once transformers loads `TrainingArguments`, one built with `deepspeed=...` switches the rank to ds_plugin's
-Accelerate path (`ds_plugin.accelerate.hf.install_for_launch`); nothing is imported for that before then. A
-config the script's ds_plugin calls refuse ends the rank in one line.
+Accelerate path (`ds_plugin.accelerate.hf.install_for_launch`); nothing is imported for that before then. Where
+DeepSpeed is not installed, the script's `import deepspeed` loads ds_plugin's DeepSpeed API (`_alias.py`). A config
+the script's ds_plugin calls refuse, or a `deepspeed.*` module ds_plugin does not cover, ends the rank in one line.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from types import ModuleType
 
 from ds_plugin._after_import import after_import
+from ds_plugin.deepspeed import _alias
 
 
 def _bind_cores() -> None:
@@ -65,11 +67,12 @@ def main(argv: list[str]) -> None:
     if local_rank_arg:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     after_import("transformers.training_args", _hf_trainer_on_the_engine)
+    _alias.install()
     try:
         _run(script, args, as_module)
     except Exception as exc:
         schema = sys.modules.get("ds_plugin._schema")  # loaded if ds_plugin raised it
-        if schema is not None and isinstance(exc, schema.ConfigError):
+        if isinstance(exc, _alias.NotCovered) or (schema is not None and isinstance(exc, schema.ConfigError)):
             sys.exit(f"ds_plugin: {exc}")
         raise
 

@@ -21,6 +21,7 @@ installed they stay Lightning's.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -97,7 +98,13 @@ def fabric_deepspeed_name(lightning_name: str, **params: Any) -> Any:
 
 
 def _deepspeed_installed() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None
+    # As Lightning decides it (the installed distribution), so an aliased `import deepspeed` (`ds-plugin launch` where
+    # DeepSpeed is not installed: ds_plugin.deepspeed._alias) does not count.
+    try:
+        importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _is_lightnings_deepspeed(strategy: Any) -> bool:
