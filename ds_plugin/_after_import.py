@@ -16,33 +16,62 @@ from typing import Any
 __all__ = ["after_import"]
 
 
+class _Then(importlib.abc.Loader):
+    """The module's own loader, then the finder's callback; the module keeps its own loader (`__loader__`)."""
+
+    def __init__(self, loader: Any, finder: _AfterImport) -> None:
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.finder.fire(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, resource readers, ...: the module's own loader answers
+        return getattr(self.loader, name)
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `callback(module)` right after the module `name` finishes importing (one shot)."""
+    """Runs `callback(module)` once, right after the module `name` finishes importing.
+
+    A lookup that does not import (`importlib.util.find_spec(name)`, as `lightning_utilities` probes) leaves it in
+    place: it goes only when the module has run. The module's spec gets a loader of its own (`_Then`), so a loader
+    object that serves other modules too (a zip importer) is never changed.
+    """
 
     def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.callback = callback
+        self.name, self.callback = name, callback
+        self._looking = self._fired = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != self.name:
+        if name != self.name or self._looking:
             return None
-        sys.meta_path.remove(self)  # one shot; the lookup below must not find this finder again
-        spec = importlib.util.find_spec(name)
+        self._looking = True  # the lookup below must not find this finder again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking = False
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            run_module = spec.loader.exec_module
-            callback = self.callback
-
-            def exec_module(module: ModuleType) -> None:
-                run_module(module)
-                callback(module)
-
-            spec.loader.exec_module = exec_module
+            spec.loader = _Then(spec.loader, self)
         return spec
+
+    def fire(self, module: ModuleType) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        if not self._fired:
+            self._fired = True
+            self.callback(module)
 
 
 def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Call `callback(module)` now if the module `name` is imported, else right after it first is (idempotent per
-    name and callback). For a module inside a package, the finder is consulted once the package is imported.
+    """Call `callback(module)` now if the module `name` is imported (every call), else once, right after it first
+    is (registered once per name and callback). For a module inside a package, the finder is consulted once the
+    package is imported.
 
     Args:
         name: the module's full dotted name.

@@ -62,7 +62,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "ds_plugin/deepspeed/_rank_entry.py",
-        allow=("ds_plugin.accelerate.bootstrap", "ds_plugin.accelerate.hf"),
+        allow=("ds_plugin.accelerate.bootstrap",),
         after_framework=True,
         why="a `ds-plugin launch` rank hands an HF script's TrainingArguments(deepspeed=...) to the Accelerate "
         "adapter, imported only once the script has loaded transformers' TrainingArguments",

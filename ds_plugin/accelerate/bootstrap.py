@@ -58,7 +58,7 @@ def install() -> None:
 
 def switch_on_for_launch() -> None:
     """What the bootstrap does before the script, done by a `ds-plugin launch` rank whose HF script builds
-    `TrainingArguments(deepspeed=...)` (`ds_plugin.accelerate.hf.install_for_launch`): the config is that argument."""
+    `TrainingArguments(deepspeed=...)` (`ds_plugin.deepspeed._rank_entry`): the config is that argument."""
     _configure_logging("info")
     from ds_plugin.accelerate.settings import refuse_other_engines
 

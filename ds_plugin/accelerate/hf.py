@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -49,39 +51,12 @@ logger = logging.getLogger(__name__)
 _MARK = "_ds_plugin_hook"
 
 
-# Whether this process's TrainingArguments are ds_plugin's: the bootstrap ran (`install_transformers_hooks`), or a
-# `ds-plugin launch` rank met TrainingArguments(deepspeed=...) and switched on (`install_for_launch`).
-_ACTIVE = False
-_SWITCH_ON: Callable[[], None] | None = None
-
-
 def install_transformers_hooks() -> None:
     """Hook `TrainingArguments` and `Trainer` now, or when transformers loads them (idempotent)."""
-    global _ACTIVE
     if importlib.util.find_spec("transformers") is None:
         return
-    _ACTIVE = True
     after_import("transformers.training_args", _hook_training_args)
     after_import("transformers.trainer", _hook_trainer)
-
-
-def install_for_launch(switch_on: Callable[[], None]) -> None:
-    """`ds-plugin launch`'s ranks: an HF script started the DeepSpeed way (`deepspeed run_clm.py --deepspeed
-    ds_config.json`) runs on the engine, and any other script is left alone.
-
-    `TrainingArguments` stay transformers' own until one is built with `deepspeed=...` set; that one first calls
-    `switch_on` (the bootstrap's `install`: Accelerate and the Trainer hooked as under `python -m
-    ds_plugin.accelerate`) and its DeepSpeed config becomes the Trainer's ds_plugin config. Without it, as under
-    DeepSpeed's launcher, the Trainer runs plain data parallel.
-
-    Args:
-        switch_on: called once, before the first `TrainingArguments(deepspeed=...)` goes on being built.
-    """
-    global _SWITCH_ON
-    if importlib.util.find_spec("transformers") is None:
-        return
-    _SWITCH_ON = switch_on
-    after_import("transformers.training_args", _hook_training_args)
 
 
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -103,9 +78,20 @@ def _take_deepspeed_config(args: Any) -> None:
         )
     source = getattr(args, "deepspeed", None)
     if source:
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            source = json.loads(source)  # `--deepspeed '{...}'`: JSON written out, as transformers reads it
+        if isinstance(source, str):
+            path = Path(source)
+            given = str(path.resolve()) if path.suffix or path.exists() else source  # a path, or a preset name
+        else:
+            given = json.dumps(source)
         # As in Accelerate, an argument in code beats the launch's setting: this Trainer uses its own JSON.
-        if os.environ.get(CONFIG_ENV, "").strip():
+        if os.environ.get(CONFIG_ENV, "").strip() not in ("", given):
             logger.info("TrainingArguments(deepspeed=...) is used instead of %s for this Trainer", CONFIG_ENV)
+        elif not os.environ.get(CONFIG_ENV, "").strip():
+            # The run's config from now on: arguments built again from these without it (trl's SFTTrainer turns
+            # plain TrainingArguments into its SFTConfig) and processes the script starts find it there.
+            os.environ[CONFIG_ENV] = given
         ZeroPlugin(config=source)  # checked now, before the arguments start the process group
         args.deepspeed = None  # transformers would start DeepSpeed itself
         args._ds_plugin_config = source
@@ -125,11 +111,8 @@ def _collective_timeout(args: Any) -> None:
 def _hook_training_args(module: ModuleType) -> None:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __post_init__(self: Any) -> None:
-            if not _ACTIVE and _SWITCH_ON is not None and getattr(self, "deepspeed", None):
-                _SWITCH_ON()  # installs the hooks: _ACTIVE from here on
-            if _ACTIVE:
-                _take_deepspeed_config(self)
-                _collective_timeout(self)
+            _take_deepspeed_config(self)
+            _collective_timeout(self)
             original(self)
 
         return __post_init__

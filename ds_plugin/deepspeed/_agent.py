@@ -1,21 +1,28 @@
 """The agent of `ds-plugin launch`: torchrun (`torch.distributed.run`) itself, except that a rank that fails is
 reported in one line rather than torchrun's error table and the agent's own traceback. The failed rank's output
-(a one-line refusal from ds_plugin, or the script's traceback) is already above it.
+(a one-line refusal from ds_plugin, or the script's traceback) is already above it. (torchrun's `@record` on its
+`main`, which copies a rank's error file to `TORCHELASTIC_ERROR_FILE`, is not run: nothing here sets that.)
 
     python -m ds_plugin.deepspeed._agent <torchrun arguments>
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
 def _how(exitcode: int) -> str:
-    return f"signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 def main(argv: list[str]) -> int:
-    """Run torchrun with `argv`; returns the exit code (the first failed rank's, 1 for a signal).
+    """Run torchrun with `argv`; returns the exit code: the first failed rank's (128 + the number of a signal).
 
     Args:
         argv: torchrun's command line, without the program name.
@@ -28,12 +35,16 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()
         others = ", ".join(f"rank {r} ({_how(f.exitcode)})" for r, f in sorted(exc.failures.items()) if r != rank)
+        why = "its output above says why"
+        if first.exitcode == -signal.SIGKILL:
+            why = "killed from outside (often the kernel's out-of-memory killer: see `dmesg`)"
         print(
-            f"ds-plugin launch: rank {rank} (local rank {first.local_rank}) ended with {_how(first.exitcode)}, its "
-            f"output above says why" + (f"; the others: {others}" if others else ""),
+            f"ds-plugin launch: rank {rank} (local rank {first.local_rank}) ended with {_how(first.exitcode)}, {why}"
+            + (f"; the others: {others}" if others else ""),
             file=sys.stderr,
         )
-        return first.exitcode if 0 < first.exitcode < 256 else 1
+        # A signal as a shell reports it (128 + its number).
+        return first.exitcode if first.exitcode > 0 else 128 - first.exitcode if first.exitcode < 0 else 1
     return 0
 
 

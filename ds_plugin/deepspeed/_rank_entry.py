@@ -4,7 +4,7 @@ torchrun starts `python -m ds_plugin.deepspeed._rank_entry [--no-local-rank] [--
 this puts `--local_rank=$LOCAL_RANK` right after the script name (where DeepSpeed's launcher puts it) and runs the
 script as `__main__`. An HF script started the DeepSpeed way (`run_clm.py --deepspeed ds_config.json`) trains on
 the engine: once transformers loads `TrainingArguments`, one built with `deepspeed=...` switches the rank to ds_plugin's
-Accelerate path (`ds_plugin.accelerate.hf.install_for_launch`); nothing is imported for that before then. Where
+Accelerate path (`_hf_trainer_on_the_engine`); nothing is imported for that before then. Where
 DeepSpeed is not installed, the script's `import deepspeed` loads ds_plugin's DeepSpeed API (`_alias.py`). A config
 the script's ds_plugin calls refuse, or a `deepspeed.*` module ds_plugin does not cover, ends the rank in one line.
 """
@@ -34,11 +34,22 @@ def _bind_cores() -> None:
 
 
 def _hf_trainer_on_the_engine(training_args: ModuleType) -> None:
-    # Runs when the script imports transformers' TrainingArguments (so transformers and Accelerate are there).
-    from ds_plugin.accelerate.bootstrap import switch_on_for_launch
-    from ds_plugin.accelerate.hf import install_for_launch
+    """Once transformers has loaded `TrainingArguments`: the first one built with `deepspeed=...` switches this rank
+    to ds_plugin's Accelerate path (`python -m ds_plugin.accelerate`'s hooks) and is then built through them; until
+    then nothing of Accelerate or the adapter is imported, and arguments without it stay transformers' own."""
+    cls = training_args.TrainingArguments
+    original = cls.__post_init__
 
-    install_for_launch(switch_on_for_launch)
+    def __post_init__(self: object) -> None:
+        if cls.__post_init__ is not __post_init__ or not getattr(self, "deepspeed", None):
+            return original(self)
+        cls.__post_init__ = original  # the adapter hooks the class itself from here on
+        from ds_plugin.accelerate.bootstrap import switch_on_for_launch  # the HF Trainer needs Accelerate anyway
+
+        switch_on_for_launch()
+        return cls.__post_init__(self)
+
+    cls.__post_init__ = __post_init__
 
 
 def _run(script: str, args: list[str], as_module: bool) -> None:

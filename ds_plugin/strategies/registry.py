@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from ds_plugin._after_import import after_import
+from ds_plugin._schema import ConfigError
 
 __all__ = ["STRATEGY_NAMES", "deepspeed_names", "register_lightning_strategies", "register_when_lightning_loads"]
 
@@ -74,8 +75,13 @@ LIGHTNING_CONFIG_ENV = "PL_DEEPSPEED_CONFIG_PATH"
 def _deepspeed_name(factory: Any, lightning_name: str, **params: Any) -> Any:
     # What one of Lightning's DeepSpeed names builds here: the ZeRO stage its keywords name (Lightning's default is 2)
     # as the preset, the keywords merged over it as `ZeroStrategy` reads Lightning's DeepSpeedStrategy keywords.
-    path = os.environ.get(LIGHTNING_CONFIG_ENV)
-    if path:
+    if LIGHTNING_CONFIG_ENV in os.environ:  # as Lightning reads it: set at all, it names a DeepSpeed JSON file
+        path = os.environ[LIGHTNING_CONFIG_ENV]
+        if not os.path.isfile(path):
+            raise ConfigError(
+                f"{LIGHTNING_CONFIG_ENV}={path!r} is not a file; point it at a DeepSpeed JSON, or unset it to use "
+                f"the settings strategy={lightning_name!r} stands for"
+            )
         logger.info(
             "strategy=%r: the config is %s=%s; the name's own settings %s are not used, as in Lightning",
             lightning_name, LIGHTNING_CONFIG_ENV, path, params or "(stage 2)",
@@ -98,8 +104,9 @@ def fabric_deepspeed_name(lightning_name: str, **params: Any) -> Any:
 
 
 def _deepspeed_installed() -> bool:
-    # As Lightning decides it (the installed distribution), so an aliased `import deepspeed` (`ds-plugin launch` where
-    # DeepSpeed is not installed: ds_plugin.deepspeed._alias) does not count.
+    # The installed distribution, so an aliased `import deepspeed` (a `ds-plugin launch` rank where DeepSpeed is not
+    # installed, ds_plugin.deepspeed._alias) does not count. (Lightning's own check would count it: it imports the
+    # module when the distribution is missing; the names are mapped here all the same.)
     try:
         importlib.metadata.distribution("deepspeed")
     except importlib.metadata.PackageNotFoundError:
@@ -136,7 +143,8 @@ def deepspeed_names(registry: Any, factory: Any) -> list[str]:
 
 
 def _qualname(obj: Any) -> str:
-    return f"{obj.__module__}.{obj.__qualname__}"
+    # Registry entries may be any callable (a functools.partial has neither name).
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
 def _register_names(registry: Any, factory: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 
 import ds_plugin.peft_adapters
 from ds_plugin.accelerate import hf
+from ds_plugin.config import ConfigError
 
 
 class _Trainer:
@@ -89,3 +91,49 @@ def test_save_state_hands_exclude_frozen_parameters_to_the_engine_checkpoint(mon
     assert accelerator.kwargs == {"other": 1} and not accelerator.hooks
     accelerator.save_state(str(tmp_path))
     assert saved[-1][2] == {"exclude_frozen": False}
+
+
+def test_a_launch_rank_switches_on_at_the_first_deepspeed_arguments(monkeypatch, tmp_path):
+    # `ds-plugin launch` of an HF script: arguments without `deepspeed` stay transformers' own and load nothing; the
+    # first with it switches the rank to the adapter's hooks (here on a stand-in of transformers.training_args), and
+    # arguments built again without it (trl's SFTTrainer rebuilds plain TrainingArguments as its SFTConfig) keep the
+    # run's config.
+    import dataclasses
+    import json
+
+    from ds_plugin.accelerate import bootstrap
+    from ds_plugin.accelerate.plugin import CONFIG_ENV
+    from ds_plugin.deepspeed import _rank_entry
+
+    @dataclasses.dataclass
+    class TrainingArguments:
+        deepspeed: Any = None
+        fsdp: Any = None
+        ddp_timeout: int = 1800
+        gradient_accumulation_steps: int = 1
+        max_grad_norm: float = 1.0
+
+        def __post_init__(self) -> None:
+            self.built = True
+
+    module = types.ModuleType("stand_in_training_args")
+    module.TrainingArguments = TrainingArguments
+    switched = []
+    monkeypatch.setattr(bootstrap, "switch_on_for_launch", lambda: switched.append(hf._hook_training_args(module)))
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    _rank_entry._hf_trainer_on_the_engine(module)
+
+    plain = TrainingArguments()
+    assert plain.built and not switched and CONFIG_ENV not in os.environ and plain.ddp_timeout == 1800
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 2}}')
+    first = TrainingArguments(deepspeed=str(config))
+    assert len(switched) == 1 and first.built and first.deepspeed is None and first._ds_plugin_config == str(config)
+    assert os.environ[CONFIG_ENV] == str(config.resolve()) and first.ddp_timeout != 1800  # ds_plugin's timeout
+    again = TrainingArguments(**{k: v for k, v in dataclasses.asdict(first).items() if k != "built"})
+    assert again.built and hf.trainer_plugin(again).training_config.zero_optimization.stage == 2  # the run's config
+    inline = TrainingArguments(deepspeed='{"zero_optimization": {"stage": 1}}')  # `--deepspeed '{...}'`
+    assert json.dumps(inline._ds_plugin_config) == '{"zero_optimization": {"stage": 1}}' and len(switched) == 1
+    with pytest.raises(ConfigError) as exc:  # checked as it is built, in one line
+        TrainingArguments(deepspeed=str(tmp_path / "missing.json"))
+    assert "\n" not in str(exc.value)

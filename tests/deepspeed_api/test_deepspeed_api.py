@@ -381,3 +381,21 @@ def test_launcher_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("ds-plugin launch: error:") and words in err, err
     json.dumps(err)
+
+
+def test_the_import_deepspeed_alias_is_on_only_where_deepspeed_is_absent(monkeypatch: pytest.MonkeyPatch):
+    import importlib.util
+
+    from ds_plugin.deepspeed import _alias
+
+    real = importlib.util.find_spec
+    monkeypatch.delenv(_alias.ENV, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert _alias.wanted()  # not installed: `import deepspeed` is ds_plugin's under `ds-plugin launch`
+    monkeypatch.setenv(_alias.ENV, "0")
+    assert not _alias.wanted()
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    monkeypatch.delenv(_alias.ENV)
+    assert _alias.wanted() is (real("deepspeed") is None)  # installed: its own stays
+    monkeypatch.setenv(_alias.ENV, "1")
+    assert _alias.wanted()

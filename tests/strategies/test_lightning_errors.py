@@ -240,15 +240,23 @@ def test_lightnings_deepspeed_names_build_zero_where_deepspeed_is_absent(monkeyp
     monkeypatch.setenv(registry.LIGHTNING_CONFIG_ENV, str(config))
     from_env = trainers.get("deepspeed_stage_3_offload")
     assert zero(from_env, ZeroStrategy) == (1, "none", True, "none") and from_env.config.gradient_clipping == 0.5
+    monkeypatch.setenv(registry.LIGHTNING_CONFIG_ENV, str(tmp_path / "missing.json"))  # as Lightning: must be a file
+    with pytest.raises(ConfigError) as exc:
+        trainers.get("deepspeed_stage_3")
+    assert "PL_DEEPSPEED_CONFIG_PATH=" in one_line(exc) and "is not a file" in str(exc.value)
     monkeypatch.delenv(registry.LIGHTNING_CONFIG_ENV)
-    # The Trainer itself, through Lightning's own registry.
-    saved = {name: dict.get(StrategyRegistry, name) for name in lightnings}
+    # The Trainer and Fabric themselves, through Lightning's own registries, as `import ds_plugin` registers them.
+    saved = [(reg, {name: dict.get(reg, name) for name in reg if name.startswith("deepspeed")})
+             for reg in (StrategyRegistry, STRATEGY_REGISTRY)]  # fmt: skip
     try:
-        registry.deepspeed_names(StrategyRegistry, registry.trainer_deepspeed_name)
+        register_lightning_strategies()
         trainer = pl.Trainer(strategy="deepspeed_stage_2", accelerator="cpu", devices=2, logger=False)
         assert zero(trainer.strategy, ZeroStrategy)[0] == 2
+        fabric = Fabric(strategy="deepspeed_stage_3", accelerator="cpu", devices=2)
+        assert zero(fabric.strategy, ZeroFabricStrategy)[0] == 3
     finally:
-        dict.update(StrategyRegistry, saved)
+        for reg, entries in saved:
+            dict.update(reg, entries)
 
 
 def test_without_registration_lightning_rejects_the_name() -> None:
