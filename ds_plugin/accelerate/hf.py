@@ -79,7 +79,10 @@ def _take_deepspeed_config(args: Any) -> None:
     source = getattr(args, "deepspeed", None)
     if source:
         if isinstance(source, str) and source.lstrip().startswith("{"):
-            source = json.loads(source)  # `--deepspeed '{...}'`: JSON written out, as transformers reads it
+            try:  # `--deepspeed '{...}'`: JSON written out, as transformers reads it
+                source = json.loads(source)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"TrainingArguments(deepspeed=...) is not valid JSON: {exc}") from None
         if isinstance(source, str):
             path = Path(source)
             given = str(path.resolve()) if path.suffix or path.exists() else source  # a path, or a preset name

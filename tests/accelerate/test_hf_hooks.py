@@ -134,6 +134,7 @@ def test_a_launch_rank_switches_on_at_the_first_deepspeed_arguments(monkeypatch,
     assert again.built and hf.trainer_plugin(again).training_config.zero_optimization.stage == 2  # the run's config
     inline = TrainingArguments(deepspeed='{"zero_optimization": {"stage": 1}}')  # `--deepspeed '{...}'`
     assert json.dumps(inline._ds_plugin_config) == '{"zero_optimization": {"stage": 1}}' and len(switched) == 1
-    with pytest.raises(ConfigError) as exc:  # checked as it is built, in one line
-        TrainingArguments(deepspeed=str(tmp_path / "missing.json"))
-    assert "\n" not in str(exc.value)
+    for bad in (str(tmp_path / "missing.json"), '{"zero_optimization": '):  # checked as it is built, in one line
+        with pytest.raises(ConfigError) as exc:
+            TrainingArguments(deepspeed=bad)
+        assert "\n" not in str(exc.value)
