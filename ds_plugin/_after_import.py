@@ -33,15 +33,18 @@ class _Then(importlib.abc.Loader):
         self.finder.fire(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, resource readers, ...: the module's own loader answers
+        if name in ("loader", "finder"):  # not set yet (a copy being made): no lookup through itself
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs `callback(module)` once, right after the module `name` finishes importing.
 
-    A lookup that does not import (`importlib.util.find_spec(name)`, as `lightning_utilities` probes) leaves it in
-    place: it goes only when the module has run. The module's spec gets a loader of its own (`_Then`), so a loader
-    object that serves other modules too (a zip importer) is never changed.
+    A lookup that does not import (`importlib.util.find_spec(name)`, as `lightning_utilities` probes) leaves it
+    armed: it fires only when the module has run, and stays in `sys.meta_path` inert after that (removing it outside
+    the import lock could make another thread's import skip a finder). The module's spec gets a loader of its own
+    (`_Then`), so a loader object that serves other modules too (a zip importer) is never changed.
     """
 
     def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
@@ -49,7 +52,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self._looking = self._fired = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != self.name or self._looking:
+        if name != self.name or self._looking or self._fired:
             return None
         self._looking = True  # the lookup below must not find this finder again
         try:
@@ -60,9 +63,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             spec.loader = _Then(spec.loader, self)
         return spec
 
+    def armed_for(self, name: str, callback: Callable[[ModuleType], None]) -> bool:
+        return not self._fired and self.name == name and self.callback == callback
+
     def fire(self, module: ModuleType) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
         if not self._fired:
             self._fired = True
             self.callback(module)
@@ -79,5 +83,5 @@ def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
     """
     if name in sys.modules:
         callback(sys.modules[name])
-    elif not any(isinstance(f, _AfterImport) and f.name == name and f.callback == callback for f in sys.meta_path):
+    elif not any(isinstance(f, _AfterImport) and f.armed_for(name, callback) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(name, callback))

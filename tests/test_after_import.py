@@ -29,9 +29,9 @@ def test_callbacks_run_after_the_import_and_a_lookup_does_not_use_them_up(tmp_pa
         assert importlib.util.find_spec("ds_plugin_probe_mod") is not None and seen == []
         module = importlib.import_module("ds_plugin_probe_mod")
         assert sorted(seen) == [("first", 7), ("second", 7)]
-        # The module keeps its own loader; the finders are gone, so a reload runs nothing again.
+        # The module keeps its own loader; the finders are spent, so a reload runs nothing again.
         assert type(module.__loader__).__name__ == "SourceFileLoader" and module.__spec__.loader is module.__loader__
-        assert not any(isinstance(f, _AfterImport) and f.name == "ds_plugin_probe_mod" for f in sys.meta_path)
+        assert all(f._fired for f in sys.meta_path if isinstance(f, _AfterImport) and f.name == "ds_plugin_probe_mod")
         importlib.reload(module)
         assert len(seen) == 2
         after_import("ds_plugin_probe_mod", second)  # already imported: at once

@@ -120,7 +120,20 @@ def _hook_training_args(module: ModuleType) -> None:
 
         return __post_init__
 
+    def keep_config(original: Callable[..., Any]) -> Callable[..., Any]:
+        # Arguments built again from these (trl's SFTTrainer: `SFTConfig(**args.to_dict())`) keep this Trainer's
+        # DeepSpeed config, as they would under DeepSpeed: `deepspeed` reads as given.
+        def to_dict(self: Any) -> dict[str, Any]:
+            out = original(self)
+            source = getattr(self, "_ds_plugin_config", None)
+            if source is not None and "deepspeed" in out:
+                out["deepspeed"] = source
+            return out
+
+        return to_dict
+
     _wrap(module.TrainingArguments, "__post_init__", make)
+    _wrap(module.TrainingArguments, "to_dict", keep_config)
 
 
 # ---------------------------------------------------------------------- Trainer

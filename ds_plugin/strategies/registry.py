@@ -183,7 +183,15 @@ def register_lightning_strategies() -> list[str]:
 def _register_loaded(_module: Any) -> None:
     # Any `from lightning.pytorch import Trainer` imports the `lightning` package first, and its `__init__` loads both
     # `lightning.pytorch` and `lightning.fabric`, so the names are in place before a Trainer or Fabric can look them up.
-    register_lightning_strategies()
+    # This runs inside the user's `import lightning`: a failure here must not fail that import.
+    try:
+        register_lightning_strategies()
+    except Exception as exc:  # anything Lightning's registries raise
+        logger.warning(
+            "ds_plugin could not register its strategy names with Lightning (%s: %s); "
+            "call ds_plugin.strategies.register_lightning_strategies() to see why",
+            type(exc).__name__, exc,
+        )  # fmt: skip
 
 
 def register_when_lightning_loads() -> None:

@@ -116,6 +116,9 @@ def test_a_launch_rank_switches_on_at_the_first_deepspeed_arguments(monkeypatch,
         def __post_init__(self) -> None:
             self.built = True
 
+        def to_dict(self) -> dict:
+            return dataclasses.asdict(self)
+
     module = types.ModuleType("stand_in_training_args")
     module.TrainingArguments = TrainingArguments
     switched = []
@@ -130,8 +133,14 @@ def test_a_launch_rank_switches_on_at_the_first_deepspeed_arguments(monkeypatch,
     first = TrainingArguments(deepspeed=str(config))
     assert len(switched) == 1 and first.built and first.deepspeed is None and first._ds_plugin_config == str(config)
     assert os.environ[CONFIG_ENV] == str(config.resolve()) and first.ddp_timeout != 1800  # ds_plugin's timeout
-    again = TrainingArguments(**{k: v for k, v in dataclasses.asdict(first).items() if k != "built"})
-    assert again.built and hf.trainer_plugin(again).training_config.zero_optimization.stage == 2  # the run's config
+    again = TrainingArguments(**first.to_dict())
+    assert again.built and hf.trainer_plugin(again).training_config.zero_optimization.stage == 2
+    plain_again = TrainingArguments(**{**first.to_dict(), "deepspeed": None})  # from the run's config
+    assert hf.trainer_plugin(plain_again).training_config.zero_optimization.stage == 2
+    monkeypatch.setenv(CONFIG_ENV, "zero1")  # the launch's own: an argument in code beats it, rebuilt or not
+    coded = TrainingArguments(deepspeed='{"zero_optimization": {"stage": 3}}')
+    assert hf.trainer_plugin(TrainingArguments(**coded.to_dict())).training_config.zero_optimization.stage == 3
+    monkeypatch.delenv(CONFIG_ENV)
     inline = TrainingArguments(deepspeed='{"zero_optimization": {"stage": 1}}')  # `--deepspeed '{...}'`
     assert json.dumps(inline._ds_plugin_config) == '{"zero_optimization": {"stage": 1}}' and len(switched) == 1
     for bad in (str(tmp_path / "missing.json"), '{"zero_optimization": '):  # checked as it is built, in one line
