@@ -49,6 +49,8 @@ DEEPSPEED: dict[str, dict[str, Any]] = {
     },
 }
 CONFIGS = (*PRESETS, *DEEPSPEED)
+#: Compute dtypes a config can train in (fp32 masters either way).
+DTYPES = ("bf16", "fp32")
 #: The parts of a step timed apart on every rank: the forward (with the loss), the backward, and `step()`.
 PHASES = ("forward", "backward", "step")
 
@@ -100,7 +102,7 @@ def _collective_names(model: nn.Module) -> dict[str, str]:
 
 
 def _ds_plugin_engine(
-    name: str, model: nn.Module, ranks_per_node: int, lr: float, reuse: bool = True
+    name: str, model: nn.Module, ranks_per_node: int, lr: float, reuse: bool = True, dtype: str = "bf16"
 ) -> tuple[Any, dict[str, Any]]:
     from ds_plugin import initialize
     from ds_plugin.presets import get_preset
@@ -108,7 +110,7 @@ def _ds_plugin_engine(
     from ds_plugin.zero.zeropp import zeropp_stats
 
     preset, overrides = PRESETS[name]
-    config = get_preset(preset, bf16={"enabled": True}, host_memory_reuse=reuse, **overrides)
+    config = get_preset(preset, bf16={"enabled": dtype == "bf16"}, host_memory_reuse=reuse, **overrides)
     config = resolve_plan(config, world_size=dist.get_world_size(), ranks_per_node=ranks_per_node).config
     engine = initialize(model, config, optimizer=lambda params: torch.optim.AdamW(params, lr=lr))
     info: dict[str, Any] = {
@@ -119,24 +121,25 @@ def _ds_plugin_engine(
     return engine, info
 
 
-def deepspeed_config(name: str, ranks_per_node: int, batch: int) -> dict[str, Any]:
-    """DeepSpeed's config for the DeepSpeed config `name` (its defaults otherwise, prefetch and overlap included)."""
+def deepspeed_config(name: str, ranks_per_node: int, batch: int, dtype: str = "bf16") -> dict[str, Any]:
+    """DeepSpeed's config for the DeepSpeed config `name` (its defaults otherwise, prefetch and overlap included):
+    bf16 mode (bf16 weights and gradients, fp32 masters) for ``dtype="bf16"``, plain fp32 for "fp32"."""
     zero = {k: ranks_per_node if v is None else v for k, v in DEEPSPEED[name].items()}
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": dtype == "bf16"},
         "zero_optimization": {"stage": 3, **zero},
         "zero_allow_untested_optimizer": True,
     }
 
 
 def _deepspeed_engine(
-    name: str, model: nn.Module, ranks_per_node: int, lr: float, batch: int
+    name: str, model: nn.Module, ranks_per_node: int, lr: float, batch: int, dtype: str
 ) -> tuple[Any, dict[str, Any]]:
     import deepspeed
 
-    ds_config = deepspeed_config(name, ranks_per_node, batch)
+    ds_config = deepspeed_config(name, ranks_per_node, batch, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     zero = ds_config["zero_optimization"]
@@ -171,10 +174,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     x = torch.randn(args.batch, args.hidden, generator=gen)
     target = torch.randn(args.batch, args.hidden, generator=gen)
     if args.config in DEEPSPEED:
-        engine, info = _deepspeed_engine(args.config, model, per_node, args.lr, args.batch)
-        x = x.to(torch.bfloat16)
+        engine, info = _deepspeed_engine(args.config, model, per_node, args.lr, args.batch, args.dtype)
+        if args.dtype == "bf16":  # DeepSpeed's bf16 engine takes inputs in the model's dtype
+            x = x.to(torch.bfloat16)
     else:
-        engine, info = _ds_plugin_engine(args.config, model, per_node, args.lr, reuse)
+        engine, info = _ds_plugin_engine(args.config, model, per_node, args.lr, reuse, args.dtype)
     times: list[float] = []
     cpu_times: list[float] = []
     phases: list[list[tuple[float, float]]] = []
@@ -227,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     return {
         "config": args.config,
+        "dtype": args.dtype,
         "step_times_by_rank": [r["times"] for r in everyone],
         "cpu_times_by_rank": [r["cpu_times"] for r in everyone],
         "phases_by_rank": [r["phases"] for r in everyone],
@@ -321,6 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout", type=float, default=300.0)
     parser.add_argument("--out", required=True, help="rank 0 writes its JSON here")
     parser.add_argument("--host-memory-reuse", choices=("on", "off"), default="on")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype, every config alike (bf16)")
     return parser.parse_args(argv)
 
 

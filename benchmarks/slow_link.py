@@ -4,13 +4,19 @@ Two network namespaces joined by a veth pair play two nodes; ``tc`` shapes both 
 rate with a token bucket (tbf), optionally behind a netem delay. Two ranks run in each namespace (4 ranks, gloo,
 one thread each), so traffic between nodes crosses the shaped link while traffic inside a node goes over the
 namespace's loopback, unshaped, as NVLink/PCIe would be. Each config trains the same model on the same data in
-bf16 (a stack of large MLP blocks fed a tiny batch, so communication dominates); the result is the median step
-time after warm-up. The configs: ds_plugin's ZeRO-3 (``zero3``), ZeRO-3 + hpZ (``hpz``) and ZeRO++ (``zeropp``),
-whose weight gathers run ahead of use (``stage3_prefetch_bucket_size``), and DeepSpeed's own engine on the same
-three setups (``deepspeed_zero3``, ``deepspeed_hpz``, ``deepspeed_zeropp``: hpZ over the 2 ranks of a node plus
-qwZ and qgZ), with DeepSpeed's defaults otherwise, when ``deepspeed`` is importable. A DeepSpeed config that
-cannot run here (ZeRO++'s quantizer op needs CUDA, say) gets an ``error`` and a one-line ``reason`` (the last
-line of its failing rank's error) instead of a time; the others still run.
+the same compute dtype (a stack of large MLP blocks fed a tiny batch, so communication dominates); the result is
+the median step time after warm-up. The dtype is ``--dtype``'s, or by default bf16 where the CPU has bf16 units and
+fp32 where it has not (there a bf16 matmul is emulated, tens of times slower, and would time the emulation instead
+of the link); the report's ``dtype`` and ``dtype_reason`` say which and why. In fp32 ZeRO-3 moves four bytes per
+weight across the link where bf16 moves two, while ZeRO++'s INT8 weights and INT4 gradients are the same size in
+both, so ZeRO++'s lead over ZeRO-3 is larger in fp32: compare speedups only between runs of one dtype.
+
+The configs: ds_plugin's ZeRO-3 (``zero3``), ZeRO-3 + hpZ (``hpz``) and ZeRO++ (``zeropp``), whose weight gathers
+run ahead of use (``stage3_prefetch_bucket_size``), and DeepSpeed's own engine on the same three setups
+(``deepspeed_zero3``, ``deepspeed_hpz``, ``deepspeed_zeropp``: hpZ over the 2 ranks of a node plus qwZ and qgZ),
+with DeepSpeed's defaults otherwise, when ``deepspeed`` is importable. A DeepSpeed config that cannot run here
+(ZeRO++'s quantizer op needs CUDA, say) gets an ``error`` and a one-line ``reason`` (the last line of its failing
+rank's error) instead of a time; the others still run.
 
 The report's keys besides the per-config entries (``configs``) and the setup:
 
@@ -69,7 +75,15 @@ from benchmarks._slow_link_net import (
 )
 from benchmarks._slow_link_net import RESOURCES as _RESOURCES
 from benchmarks._slow_link_timeline import Sampler, draw, trace, utilization
-from benchmarks._slow_link_worker import CONFIGS, DEEPSPEED, floors, model_params, rate_bytes_per_s, summarize
+from benchmarks._slow_link_worker import (
+    CONFIGS,
+    DEEPSPEED,
+    DTYPES,
+    floors,
+    model_params,
+    rate_bytes_per_s,
+    summarize,
+)
 from ds_plugin._argparse import MAX_TIMEOUT_S, ArgumentParser, choice_list, count, number, output_file
 from ds_plugin.runtime.host_memory import rank_tunables
 
@@ -91,7 +105,7 @@ def _worker_cmd(args: argparse.Namespace, config: str, out: Path) -> list[str]:
         sys.executable, "-m", "benchmarks._slow_link_worker", "--config", config,
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch", str(args.batch),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--collective-timeout", str(args.timeout),
-        "--out", str(out), "--host-memory-reuse", args.host_memory_reuse,
+        "--out", str(out), "--host-memory-reuse", args.host_memory_reuse, "--dtype", args.dtype,
     ]  # fmt: skip
 
 
@@ -249,7 +263,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="glibc malloc keeps freed memory in every rank of every config, DeepSpeed's too (on; see README)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="compute dtype of every config (default: bf16 where this CPU has bf16 units, else fp32, said on stderr)",
+    )
     args = parser.parse_args(argv)
+    if args.dtype is None:
+        from ds_plugin.runtime.cpu_bf16 import fast_compute_dtype
+
+        args.dtype, args.dtype_reason = fast_compute_dtype("cpu")
+        print(f"bench slow-link: training in {args.dtype} ({args.dtype_reason}; --dtype to choose)", file=sys.stderr)
+    else:
+        args.dtype_reason = "--dtype"
     if args.png and not args.timeline:
         parser.error("--png charts the --timeline samples: add --timeline")
     if args.png and importlib.util.find_spec("matplotlib") is None:  # said now, not after minutes of runs
@@ -300,7 +326,8 @@ def benchmark(args: argparse.Namespace, link: Link) -> dict[str, Any]:
         layers=args.layers,
         batch_rows_per_rank=args.batch,
         optimizer="AdamW (torch.optim, lr 1e-4)",
-        dtype="bf16",
+        dtype=args.dtype,
+        dtype_reason=args.dtype_reason,
         device="cpu",
         steps=args.steps,
         warmup=args.warmup,
@@ -347,7 +374,8 @@ def compare(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def _print_text(report: dict[str, Any]) -> None:
     print(f"link: {report['link']}")
-    print(f"{report['ranks']} ranks on {report['nodes']} nodes, {report['model_params'] / 1e6:.0f}M params, bf16")
+    size = f"{report['model_params'] / 1e6:.0f}M params"
+    print(f"{report['ranks']} ranks on {report['nodes']} nodes, {size}, {report['dtype']} ({report['dtype_reason']})")
     for name, entry in report["configs"].items():
         if "step_s" in entry:
             mb, bound = entry["cross_node_mb_per_step_by_node"], entry.get("bound_by")
@@ -399,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
     if args.png:
         os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)  # allowed while parsing
-        size = f"{report['model_params'] / 1e6:.0f}M parameters"
+        size = f"{report['model_params'] / 1e6:.0f}M parameters, {report['dtype']}"
         title = f"bench slow-link: {args.rate} link between {NODES} nodes of {RANKS_PER_NODE} ranks, {size}"
         if not draw(report["configs"], args.png, title):
             print("no config has a timeline to chart (too few samples in its timed steps)", file=sys.stderr)

@@ -50,6 +50,21 @@ def test_parse_args_defaults_and_configs():
         assert exc.value.code == 2
 
 
+def test_the_dtype_is_the_fast_one_unless_chosen_and_reaches_every_rank(monkeypatch, capsys):
+    from ds_plugin.runtime import cpu_bf16
+
+    for units, picked in ((False, "fp32"), (True, "bf16")):
+        monkeypatch.setattr(cpu_bf16, "cpu_bf16_units", lambda units=units: (units, "the CPU's flags"))
+        args = slow_link.parse_args([])
+        assert args.dtype == picked and "the CPU's flags" in args.dtype_reason
+        assert f"bench slow-link: training in {picked} (" in capsys.readouterr().err
+        assert slow_link._worker_cmd(args, "zeropp", Path("o.json"))[-2:] == ["--dtype", picked]
+    args = slow_link.parse_args(["--dtype", "bf16"])  # chosen: taken as given, even on a CPU without bf16 units
+    assert (args.dtype, args.dtype_reason) == ("bf16", "--dtype") and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        slow_link.parse_args(["--dtype", "fp16"])
+
+
 def test_png_without_matplotlib_is_refused_before_any_run(monkeypatch, capsys):
     real = slow_link.importlib.util.find_spec
     monkeypatch.setattr(slow_link.importlib.util, "find_spec", lambda n: None if n == "matplotlib" else real(n))
@@ -192,6 +207,7 @@ def test_deepspeed_configs_match_ours():
         "zero_quantized_gradients": True,
     }
     assert zpp["bf16"] == {"enabled": True} and zpp["train_micro_batch_size_per_gpu"] == 8
+    assert deepspeed_config("deepspeed_zero3", 2, 8, "fp32")["bf16"] == {"enabled": False}
 
 
 def test_compare_picks_the_fastest_zero3_whoever_runs_it():
@@ -392,7 +408,8 @@ def test_worker_on_loopback(tmp_path):
             "PYTHONPATH": str(_REPO),
         }
         cmd = [sys.executable, "-m", "benchmarks._slow_link_worker", "--config", "zeropp", "--hidden", "32",
-               "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+               "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "1", "--out", str(out),
+               "--dtype", "fp32"]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
         logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
@@ -401,7 +418,7 @@ def test_worker_on_loopback(tmp_path):
             p.kill()
     assert all(p.returncode == 0 for p in procs), logs
     result = json.loads(out.read_text())
-    assert result["config"] == "zeropp" and result["hpz_partition_size"] == 2
+    assert result["config"] == "zeropp" and result["hpz_partition_size"] == 2 and result["dtype"] == "fp32"
     assert result["collectives"] == {"all_gather": "QuantizedAllGather", "reduce_scatter": "QuantizedReduceScatter"}
     assert result["zeropp_stats_rank0"]["quantized_all_gathers"] > 0
     assert len(result["step_times_by_rank"]) == 4 and all(len(t) == 2 for t in result["step_times_by_rank"])
@@ -437,13 +454,14 @@ def test_real_run_on_shaped_link(tmp_path):
     report = json.loads(proc.stdout)
     for key in ("zero3_step_s", "zeropp_step_s", "speedup", "link", "ranks", "nodes", "model_params", "torch"):
         assert key in report, key
-    assert report["ranks"] == 4 and report["nodes"] == 2 and report["dtype"] == "bf16"
+    assert report["ranks"] == 4 and report["nodes"] == 2 and report["dtype"] in ("bf16", "fp32")
     assert report["speedup"] == pytest.approx(report["zero3_step_s"] / report["zeropp_step_s"])
     z3, zpp = report["configs"]["zero3"], report["configs"]["zeropp"]
-    # Each node sends ~1.5x the bf16 model across the link per ZeRO-3 step (every block is gathered once and kept
-    # to its backward, then its gradients are reduce-scattered); ZeRO++ about a quarter of that.
-    bf16_mb = 2 * report["model_params"] / 1e6
-    assert 1.25 * bf16_mb < z3["cross_node_mb_per_step_by_node"][0] < 1.75 * bf16_mb
+    assert z3["dtype"] == zpp["dtype"] == report["dtype"]
+    # Each node sends ~1.5x the model (in the compute dtype) across the link per ZeRO-3 step (every block is gathered
+    # once and kept to its backward, then its gradients are reduce-scattered); ZeRO++ well under a third of that.
+    model_mb = (2 if report["dtype"] == "bf16" else 4) * report["model_params"] / 1e6
+    assert 1.25 * model_mb < z3["cross_node_mb_per_step_by_node"][0] < 1.75 * model_mb
     assert zpp["cross_node_mb_per_step_by_node"][0] < 0.3 * z3["cross_node_mb_per_step_by_node"][0]
     # --timeline: the four classes cover the timed window, whose steps the step times describe.
     for entry in (z3, zpp):
