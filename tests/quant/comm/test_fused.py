@@ -46,18 +46,33 @@ def _fresh_compile_state(monkeypatch):
 @pytest.mark.parametrize("compiled", MODES)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_quantize_rows_equals_reference(dtype, bits, compiled):
-    for n, numel, block in SHAPES:
-        x = _rows(n, numel, dtype, block)
-        codes, scales = fused.quantize_rows(x, block, bits, compiled=compiled)
-        per_row = -(-numel // block)
-        for r in range(n):
-            ref_codes, ref_scales = _reference(x[r], bits, block)
-            assert torch.equal(codes[r], ref_codes), (n, numel, block, r)
-            # Compared as bits: nan scales must match too.
-            assert torch.equal(scales[r * per_row : (r + 1) * per_row].view(torch.int16), ref_scales.view(torch.int16))
-    if compiled and bits == 4 and dtype != torch.float16:  # the pair-word form ran (fp16 has none)
-        assert fused._quantize_int4_words in cpu_compile.COMPILED_RUNS
+def test_quantize_rows_equals_reference(dtype, bits, compiled, monkeypatch):
+    # Compiled INT4 has two forms, the pair words and the blocks, chosen by the CPU (`_quantize_in_words`): both run
+    # here whatever this CPU is.
+    for words in (True, False) if compiled and bits == 4 else (None,):
+        monkeypatch.setattr(fused, "_quantize_in_words", lambda words=words: words)
+        cpu_compile.COMPILED_RUNS.discard(fused._quantize_int4_words)
+        for n, numel, block in SHAPES:
+            x = _rows(n, numel, dtype, block)
+            codes, scales = fused.quantize_rows(x, block, bits, compiled=compiled)
+            per_row = -(-numel // block)
+            for r in range(n):
+                ref_codes, ref_scales = _reference(x[r], bits, block)
+                assert torch.equal(codes[r], ref_codes), (n, numel, block, r, words)
+                # Compared as bits: nan scales must match too.
+                got_scales = scales[r * per_row : (r + 1) * per_row]
+                assert torch.equal(got_scales.view(torch.int16), ref_scales.view(torch.int16))
+        # The pair-word form ran when chosen, and only then (fp16 has none).
+        ran = fused._quantize_int4_words in cpu_compile.COMPILED_RUNS
+        assert ran == (bool(words) and dtype != torch.float16)
+
+
+def test_int4_quantize_takes_the_word_form_except_on_avx2(monkeypatch):
+    for capability, words in (("AVX2", False), ("AVX512", True), ("DEFAULT", True)):
+        fused._quantize_in_words.cache_clear()
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        assert fused._quantize_in_words() is words
+    fused._quantize_in_words.cache_clear()
 
 
 @pytest.mark.parametrize("compiled", MODES)
