@@ -275,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype, args.dtype_reason = fast_compute_dtype("cpu")
         print(f"bench slow-link: training in {args.dtype} ({args.dtype_reason}; --dtype to choose)", file=sys.stderr)
     else:
-        args.dtype_reason = "--dtype"
+        args.dtype_reason = "chosen with --dtype"
     if args.png and not args.timeline:
         parser.error("--png charts the --timeline samples: add --timeline")
     if args.png and importlib.util.find_spec("matplotlib") is None:  # said now, not after minutes of runs

@@ -60,7 +60,7 @@ def test_the_dtype_is_the_fast_one_unless_chosen_and_reaches_every_rank(monkeypa
         assert f"bench slow-link: training in {picked} (" in capsys.readouterr().err
         assert slow_link._worker_cmd(args, "zeropp", Path("o.json"))[-2:] == ["--dtype", picked]
     args = slow_link.parse_args(["--dtype", "bf16"])  # chosen: taken as given, even on a CPU without bf16 units
-    assert (args.dtype, args.dtype_reason) == ("bf16", "--dtype") and capsys.readouterr().err == ""
+    assert (args.dtype, args.dtype_reason) == ("bf16", "chosen with --dtype") and capsys.readouterr().err == ""
     with pytest.raises(SystemExit):
         slow_link.parse_args(["--dtype", "fp16"])
 

@@ -18,7 +18,8 @@ The maths is not written here: the quantize and dequantize steps call
 format's reference, so the eager form *is* the reference and the compiled form is the same function compiled (tests
 check that they agree bit for bit). The qgZ sum step decodes INT4 with
 :func:`~ds_plugin.quant.comm.format.int4_nibbles` and adds in peer order. Compiled, INT4 reads and writes its element
-pairs as machine words (see ``_as_words``), through the format's own scale, code and nibble steps.
+pairs as machine words (see ``_as_words``), through the format's own scale, code and nibble steps; on AVX2-only
+CPUs its quantizing keeps the block form, there the faster (``_quantize_in_words``).
 
 When to compile (``DS_PLUGIN_QUANT_COMPILE``, the size rule) and how a failed compile falls back to the eager form
 is :mod:`ds_plugin.quant.cpu_compile`'s, shared with the frozen-weight decode.
