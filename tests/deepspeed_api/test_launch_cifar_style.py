@@ -79,7 +79,8 @@ def test_an_unchanged_import_deepspeed_script_runs_on_ds_plugin(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout[-3000:]
     found = re.findall(r"loss ([0-9.]+) on cpu with ds_plugin\.deepspeed", proc.stdout)
     assert len(found) == 2 and float(found[1]) < float(found[0]) / 5, proc.stdout[-3000:]  # it trains
-    # A DeepSpeed module ds_plugin does not cover: one line per rank, no traceback.
+    # A DeepSpeed module ds_plugin does not cover: one line from each rank that reaches the import before the
+    # launcher stops the others (the first rank to end does), no traceback.
     proc = run([*cmd, "--runtime-utils"], timeout=300, env=env)
     refused = [line for line in proc.stdout.splitlines() if line.startswith("ds_plugin: deepspeed.runtime is not")]
-    assert proc.returncode != 0 and len(refused) == 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode != 0 and 1 <= len(refused) <= 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]

@@ -59,13 +59,16 @@ def test_hf_trainer_script_with_deepspeed_argument_trains_on_the_engine(tmp_path
     assert "accelerator: accelerate.accelerator" in out and "[ds_plugin]" not in out, out[-3000:]
     assert losses[-1] < losses[0], losses
 
-    bad = tmp_path / "bad.json"  # a config ds_plugin refuses: one line per rank, before any process group
+    # A config ds_plugin refuses: one line, before any process group, from each rank that reads the config before the
+    # launcher stops the others (the first rank to end does: on a busy machine the other may not have got there).
+    bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 7}}')
     proc = start(tmp_path / "bad", "--deepspeed", str(bad))
     assert proc.returncode != 0 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
     refused = [line for line in proc.stdout.splitlines() if line.startswith("ds_plugin: ")]
-    assert len(refused) == 2 and "zero_optimization.stage" in refused[0], proc.stdout[-3000:]
-    # Whichever rank ended first: both refuse the config.
+    assert 1 <= len(refused) <= 2 and len(set(refused)) == 1, proc.stdout[-3000:]
+    assert "zero_optimization.stage" in refused[0], proc.stdout[-3000:]
+    # Whichever rank ended first, the launcher names it in one line.
     assert re.search(r"^ds-plugin launch: rank (\d) \(local rank \1\) ended with exit code 1, ", proc.stdout, re.M), (
         proc.stdout[-3000:]
     )
