@@ -63,9 +63,14 @@ def switch_on_for_launch() -> None:
     from ds_plugin.accelerate.settings import refuse_other_engines
 
     refuse_other_engines()
+    logger.info("TrainingArguments(deepspeed=...) under ds-plugin launch: the HF Trainer runs on ds_plugin's engine")
+    _switch_on()
+
+
+def _switch_on() -> None:
+    # Both ways in (the bootstrap's `main`, a launch rank's first TrainingArguments(deepspeed=...)) end here.
     if use_cpu_for_gpu_less_launch():
         logger.info("no GPU in a %s-process launch: ACCELERATE_USE_CPU=true (gloo)", os.environ.get("WORLD_SIZE"))
-    logger.info("TrainingArguments(deepspeed=...) under ds-plugin launch: the HF Trainer runs on ds_plugin's engine")
     install()
 
 
@@ -172,9 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _check_config(args.ds_config)
     except ConfigError as e:
         sys.exit(f"ds_plugin.accelerate: {e}")
-    if use_cpu_for_gpu_less_launch():
-        logger.info("no GPU in a %s-process launch: ACCELERATE_USE_CPU=true (gloo)", os.environ.get("WORLD_SIZE"))
-    install()
+    _switch_on()
     try:
         _run(args.script, args.script_args, as_module=args.module)
     except ConfigError as e:
